@@ -1,0 +1,129 @@
+"""`MemoConfig`: every knob of hf_memo in one validated, immutable dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from hf_memo.units import parse_bytes
+
+RECOMPUTE_MODES = ("none", "full", "selective", "memo")
+PLANNERS = ("off", "greedy", "cpsat", "mip", "gurobi")
+
+# Knobs whose capability has not landed yet: asking for them is an error, never silently ignored.
+_NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
+    "recompute": ("full", "selective", "memo"),
+    "planner": ("greedy", "cpsat", "mip", "gurobi"),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _bad(field: str, accepted: str, value: Any) -> ValueError:
+    return ValueError(f"MemoConfig.{field} must be {accepted}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MemoConfig:
+    """Configuration of hf_memo. Every field is validated on construction.
+
+    Attributes:
+        mlp_chunks: mini-sequences the MLP runs over, an int >= 1 or ``"auto"`` (about
+            ``intermediate_size / hidden_size`` chunks, one chunk for short sequences).
+        lm_head_chunks: mini-sequences the LM head + cross-entropy runs over, an int >= 1 or
+            ``"auto"`` (about ``vocab_size / hidden_size`` chunks, one for short sequences).
+        min_chunk_tokens: ``"auto"`` never makes a chunk shorter than this many tokens, so short
+            sequences keep one chunk and full-speed matmuls.
+        recompute: activation policy of the decoder layers: ``"none"`` (keep everything),
+            ``"full"`` (keep each layer's input, recompute the layer), ``"selective"`` (keep matmul
+            and attention outputs, recompute the cheap large parts) or ``"memo"`` (token-wise
+            recompute and host offload, attention never recomputed).
+        offload_fraction: fraction of tokens whose activations ``"memo"`` offloads to host memory
+            (the rest is recomputed): a float in [0, 1] or ``"auto"`` (solved from layer time,
+            host bandwidth and host memory).
+        host_memory_limit: host bytes offloading may use: an int, a size string such as
+            ``"64GiB"``, or ``"auto"`` (a safe fraction of the available RAM).
+        layer_time: seconds one decoder layer's forward takes; ``None`` measures it.
+        host_bandwidth: device<->host copy bandwidth in bytes/s; ``None`` measures it.
+        planner: offline memory planner for buffers hf_memo owns: ``"off"``, ``"greedy"``,
+            ``"cpsat"``, ``"mip"`` or ``"gurobi"``.
+        planner_time_limit: seconds the planner's solver may take per problem.
+        sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables.
+    """
+
+    mlp_chunks: int | str = "auto"
+    lm_head_chunks: int | str = "auto"
+    min_chunk_tokens: int = 1024
+    recompute: str = "none"
+    offload_fraction: float | str = "auto"
+    host_memory_limit: int | str = "auto"
+    layer_time: float | None = None
+    host_bandwidth: float | None = None
+    planner: str = "off"
+    planner_time_limit: float = 10.0
+    sequence_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("mlp_chunks", "lm_head_chunks"):
+            value = getattr(self, name)
+            if value != "auto" and not (_is_int(value) and value >= 1):
+                raise _bad(name, '"auto" or an int >= 1', value)
+        if not (_is_int(self.min_chunk_tokens) and self.min_chunk_tokens >= 1):
+            raise _bad("min_chunk_tokens", "an int >= 1", self.min_chunk_tokens)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise _bad("recompute", "one of " + ", ".join(f'"{m}"' for m in RECOMPUTE_MODES), self.recompute)
+        fraction = self.offload_fraction
+        if fraction != "auto" and not (_is_number(fraction) and 0.0 <= fraction <= 1.0):
+            raise _bad("offload_fraction", '"auto" or a float in [0, 1]', fraction)
+        if self.host_memory_limit != "auto":
+            try:
+                parse_bytes(self.host_memory_limit)
+            except ValueError:
+                raise _bad(
+                    "host_memory_limit",
+                    '"auto", a byte count >= 0 or a size such as "64GiB"',
+                    self.host_memory_limit,
+                ) from None
+        for name in ("layer_time", "host_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and value > 0):
+                raise _bad(name, "None or a number > 0", value)
+        if self.planner not in PLANNERS:
+            raise _bad("planner", "one of " + ", ".join(f'"{p}"' for p in PLANNERS), self.planner)
+        if not (_is_number(self.planner_time_limit) and self.planner_time_limit > 0):
+            raise _bad("planner_time_limit", "a number of seconds > 0", self.planner_time_limit)
+        if not (_is_int(self.sequence_parallel_size) and self.sequence_parallel_size >= 1):
+            raise _bad("sequence_parallel_size", "an int >= 1", self.sequence_parallel_size)
+        for name, unsupported in _NOT_YET_SUPPORTED.items():
+            if getattr(self, name) in unsupported:
+                raise ValueError(
+                    f"MemoConfig.{name}={getattr(self, name)!r} is not yet supported by this version of hf_memo"
+                )
+        if self.sequence_parallel_size > 1:
+            raise ValueError("MemoConfig.sequence_parallel_size > 1 is not yet supported by this version of hf_memo")
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        """The host limit in bytes, or ``None`` for ``"auto"``."""
+        return None if self.host_memory_limit == "auto" else parse_bytes(self.host_memory_limit)
+
+    def replace(self, **overrides: Any) -> MemoConfig:
+        """A copy with some fields changed (validated). Unknown names raise ``ValueError``."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown MemoConfig field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-serialisable dict."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,1 @@
+"""Glue to the outside world: command line, Trainer callback, Accelerate."""

@@ -1,0 +1,34 @@
+"""How many mini-sequences to cut a sequence into, and where the cuts go."""
+
+from __future__ import annotations
+
+import math
+
+
+def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """Half-open ``(start, stop)`` row ranges that cover ``range(rows)`` exactly, in order.
+
+    Sizes differ by at most one row, so no tail is dropped when ``chunks`` does not divide
+    ``rows``. More chunks than rows gives one row per chunk; zero rows gives one empty chunk.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    chunks = max(1, min(chunks, rows))
+    return [(i * rows // chunks, (i + 1) * rows // chunks) for i in range(chunks)]
+
+
+def auto_chunks(tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
+    """Chunks for an op whose intermediate is ``(tokens, width)`` while its input is ``(tokens, hidden)``.
+
+    Picks ``ceil(width / hidden)`` so each chunk's intermediate is about the size of the hidden
+    state (the Mini-Sequence Transformer rule), but never chunks shorter than
+    ``min_chunk_tokens``: short sequences get one chunk and run exactly as before.
+    """
+    return max(1, min(math.ceil(width / hidden), tokens // min_chunk_tokens))
+
+
+def resolve_chunks(setting: int | str, tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
+    """The chunk count for a ``MemoConfig`` setting (an int, or ``"auto"``)."""
+    if setting == "auto":
+        return auto_chunks(tokens, width, hidden, min_chunk_tokens)
+    return int(setting)

@@ -1,0 +1,53 @@
+"""Reversible changes to live modules: replacement forwards and the record that undoes them."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+_MISSING = object()
+
+
+class InstalledForward:
+    """A replacement ``forward`` on one module instance: calls ``impl(module, inner, *args, **kwargs)``.
+
+    ``inner`` is the forward it replaced. ``inspect.signature`` sees ``inner``'s signature (the
+    Trainer reads it to find loss kwargs and dataset columns), and ``copy.deepcopy`` of the model
+    rebinds the copy to the copied module instead of the original.
+    """
+
+    def __init__(self, module: Any, inner: Callable, impl: Callable) -> None:
+        self.module = module
+        self.inner = inner
+        self.impl = impl
+        self.__wrapped__ = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.impl(self.module, self.inner, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> InstalledForward:
+        return InstalledForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.inner, memo), self.impl)
+
+
+class PatchRecord:
+    """Instance attributes hf_memo set, with what was there before, so ``undo`` restores it exactly."""
+
+    def __init__(self) -> None:
+        self._changes: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self._changes.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    def install_forward(self, module: Any, impl: Callable) -> None:
+        """Replace ``module.forward`` (whatever it currently is) by ``impl`` wrapped around it."""
+        self.set(module, "forward", InstalledForward(module, module.forward, impl))
+
+    def undo(self) -> None:
+        for obj, name, previous in reversed(self._changes):
+            if previous is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, previous)
+        self._changes.clear()

@@ -1,0 +1,52 @@
+"""Patching one live model of a known family, and undoing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from transformers import PreTrainedModel
+
+from hf_memo.config import MemoConfig
+from hf_memo.patches.family import Family
+from hf_memo.patches.forwards import causal_lm_forward, mlp_forward
+from hf_memo.patches.installed import PatchRecord
+
+_STATE_ATTR = "_hf_memo_patch"
+
+
+@dataclass
+class PatchState:
+    """What hf_memo did to a model: the config it applied, the family, and how to undo it."""
+
+    config: MemoConfig
+    family: Family
+    record: PatchRecord
+
+
+def patch_state(model: PreTrainedModel) -> PatchState | None:
+    """The patch on ``model`` (a ``*ForCausalLM``), or ``None`` if it is not patched."""
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> None:
+    """Install hf_memo on an unpatched ``model`` of ``family`` (instance-level, reversible)."""
+    if not isinstance(model, family.causal_lm):
+        raise ValueError(
+            f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
+            f"'{family.model_type}'), got {type(model).__name__}"
+        )
+    record = PatchRecord()
+    width = family.intermediate_size(model.config.get_text_config())
+    for module in model.modules():
+        if isinstance(module, family.mlp):
+            record.install_forward(module, partial(mlp_forward, config, width))
+    record.install_forward(model, partial(causal_lm_forward, config, family))
+    model.__dict__[_STATE_ATTR] = PatchState(config, family, record)
+
+
+def unpatch_model(model: PreTrainedModel) -> None:
+    """Undo :func:`patch_model`; a model that is not patched is left as it is."""
+    state = model.__dict__.pop(_STATE_ATTR, None)
+    if state is not None:
+        state.record.undo()

@@ -1,0 +1,133 @@
+"""Tiny models of every supported family, built from configs (no downloads), and comparison helpers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+hf_logging.set_verbosity_error()
+
+VOCAB = 101
+_LLAMA_LAYOUT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+FAMILY_BUILDERS = {
+    "llama": lambda **kw: LlamaForCausalLM(LlamaConfig(**{**_LLAMA_LAYOUT, **kw})),
+    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**{**_LLAMA_LAYOUT, **kw})),
+    "qwen2": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**{**_LLAMA_LAYOUT, **kw})),
+    "qwen3": lambda **kw: Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA_LAYOUT, "head_dim": 8, **kw})),
+    "gpt2": lambda **kw: GPT2LMHeadModel(
+        GPT2Config(
+            **{
+                "vocab_size": VOCAB,
+                "n_embd": 32,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_positions": 512,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                **kw,
+            }
+        )
+    ),
+}
+FAMILIES = sorted(FAMILY_BUILDERS)
+
+
+def build_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **config_overrides) -> torch.nn.Module:
+    """A tiny randomly initialised ``*ForCausalLM`` of ``family`` in train mode."""
+    torch.manual_seed(seed)
+    return FAMILY_BUILDERS[family](**config_overrides).to(dtype).train()
+
+
+def model_pair(family: str, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two identical copies: (to be patched, unpatched reference)."""
+    model = build_model(family, **kwargs)
+    return model, copy.deepcopy(model)
+
+
+def make_batch(batch: int, seq: int, masked_fraction: float = 0.3, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of shape ``(batch, seq)``; about ``masked_fraction`` labels are -100."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(batch, seq, generator=gen) < masked_fraction] = -100
+    return ids, labels
+
+
+def assert_same_grads(
+    model: torch.nn.Module, reference: torch.nn.Module, rtol: float = 1e-9, atol: float = 1e-12
+) -> None:
+    """Every parameter gradient of ``model`` equals the reference's (both present or both absent)."""
+    ref_params = dict(reference.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        ref = ref_params[name]
+        assert (param.grad is None) == (ref.grad is None), f"{name}: gradient present in only one model"
+        if param.grad is not None:
+            torch.testing.assert_close(param.grad, ref.grad, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+            checked += 1
+    assert checked > 0, "no gradients were compared"
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+class ShapeRecorder:
+    """Records the shape of every tensor any op produces while active (a ``TorchDispatchMode``)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        shapes = self.shapes = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        shapes.append(tuple(t.shape))
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self) -> ShapeRecorder:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def largest(self) -> int:
+        """Element count of the largest tensor produced."""
+        return max((int(torch.Size(s).numel()) for s in self.shapes), default=0)

@@ -1,0 +1,21 @@
+"""The benchmark scripts still run (tiny shapes, seconds); their real results live under benchmarks/results/."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_minseq_memory_benchmark_runs_and_writes_its_results(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "minseq_memory.py"), "--tiny", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    results = json.loads((tmp_path / "minseq_memory.json").read_text())
+    assert set(results["step_peak"]) == {"2048", "4096"}
+    assert results["ratios_at_longest"]["lm_head_loss_hf_over_hf_memo"] > 1
+    assert (tmp_path / "minseq_memory.png").stat().st_size > 0

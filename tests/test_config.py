@@ -1,0 +1,62 @@
+import pytest
+
+from hf_memo.config import MemoConfig
+
+
+def test_defaults_are_valid_and_serialisable():
+    config = MemoConfig()
+    assert config.mlp_chunks == "auto" and config.recompute == "none"
+    assert config.to_dict()["lm_head_chunks"] == "auto"
+    assert config.host_memory_limit_bytes is None
+
+
+@pytest.mark.parametrize(
+    "field,value,accepted",
+    [
+        ("mlp_chunks", 0, '"auto" or an int >= 1'),
+        ("mlp_chunks", "many", '"auto" or an int >= 1'),
+        ("lm_head_chunks", 2.5, '"auto" or an int >= 1'),
+        ("lm_head_chunks", True, '"auto" or an int >= 1'),
+        ("min_chunk_tokens", 0, "an int >= 1"),
+        ("recompute", "everything", 'one of "none", "full", "selective", "memo"'),
+        ("offload_fraction", 1.5, '"auto" or a float in [0, 1]'),
+        ("offload_fraction", -0.1, '"auto" or a float in [0, 1]'),
+        ("host_memory_limit", "lots", '"auto", a byte count >= 0 or a size such as "64GiB"'),
+        ("host_memory_limit", -1, '"auto", a byte count >= 0 or a size such as "64GiB"'),
+        ("layer_time", 0, "None or a number > 0"),
+        ("host_bandwidth", -2.0, "None or a number > 0"),
+        ("planner", "ilp", 'one of "off", "greedy", "cpsat", "mip", "gurobi"'),
+        ("planner_time_limit", 0, "a number of seconds > 0"),
+        ("sequence_parallel_size", 0, "an int >= 1"),
+    ],
+)
+def test_bad_values_name_field_value_and_accepted(field, value, accepted):
+    with pytest.raises(ValueError) as excinfo:
+        MemoConfig(**{field: value})
+    message = str(excinfo.value)
+    assert message == f"MemoConfig.{field} must be {accepted}, got {value!r}"
+
+
+def test_host_memory_limit_accepts_sizes():
+    assert MemoConfig(host_memory_limit="64GiB").host_memory_limit_bytes == 64 * 2**30
+    assert MemoConfig(host_memory_limit=10**9).host_memory_limit_bytes == 10**9
+
+
+def test_replace_validates_and_rejects_unknown_fields():
+    config = MemoConfig().replace(mlp_chunks=8)
+    assert config.mlp_chunks == 8
+    with pytest.raises(ValueError, match="MemoConfig.mlp_chunks must be"):
+        config.replace(mlp_chunks=-1)
+    with pytest.raises(ValueError, match="unknown MemoConfig field"):
+        config.replace(chunks=8)
+
+
+def test_config_is_immutable():
+    with pytest.raises(AttributeError):
+        MemoConfig().mlp_chunks = 3
+
+
+@pytest.mark.parametrize("field,value", [("recompute", "memo"), ("planner", "cpsat"), ("sequence_parallel_size", 2)])
+def test_knobs_of_later_capabilities_refuse_instead_of_being_ignored(field, value):
+    with pytest.raises(ValueError, match="not yet supported"):
+        MemoConfig(**{field: value})
