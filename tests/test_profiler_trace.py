@@ -46,3 +46,11 @@ def test_malformed_lines_name_the_line(tmp_path, line, message):
     path.write_text('{"format": "hf_memo-trace", "version": 1, "meta": {}}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"bad.jsonl:2: {message}"):
         AllocationTrace.load(path)
+
+
+def test_owned_buffer_names_round_trip_and_are_omitted_when_absent(tmp_path):
+    path = tmp_path / "t.jsonl"
+    AllocationTrace([AllocationEvent("malloc", 3, 1024, name="layer 2 rounding 0")]).save(path)
+    assert '"name": "layer 2 rounding 0"' in path.read_text()
+    assert AllocationTrace.load(path).events[0].name == "layer 2 rounding 0"
+    assert "name" not in AllocationEvent("malloc", 1, 8).to_json()

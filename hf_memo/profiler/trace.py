@@ -9,7 +9,8 @@ A trace file starts with one header line, then one event per line::
 ``phase`` is where the request happened (``"embedding"``, ``"layer <i> forward"``, ``"layer <i> backward"``,
 ``"head"``, ``"optimizer"``, ``"other"``); ``category`` what the tensor holds (``"parameter"``,
 ``"buffer"``, ``"gradient"``, ``"optimizer"``, ``"activation"``, ``"temporary"``); ``location``
-``"device"`` or ``"host"`` (offloaded tensors). A ``free`` repeats its ``malloc``'s id and size.
+``"device"`` or ``"host"`` (offloaded tensors); ``name``, only present on buffers hf_memo owns, the
+stable name the runtime allocates them under. A ``free`` repeats its ``malloc``'s id and size.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class AllocationEvent:
     phase: str = "other"
     category: str = "temporary"
     location: str = "device"
+    name: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record = {
             "op": self.op,
             "id": self.tensor_id,
             "bytes": self.size,
@@ -47,6 +49,9 @@ class AllocationEvent:
             "category": self.category,
             "location": self.location,
         }
+        if self.name is not None:
+            record["name"] = self.name
+        return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> AllocationEvent:
@@ -57,6 +62,7 @@ class AllocationEvent:
             phase=record.get("phase", "other"),
             category=record.get("category", "temporary"),
             location=record.get("location", "device"),
+            name=record.get("name"),
         )
 
 

@@ -1,0 +1,36 @@
+"""Tags the runtime puts on tensor storages, so a profile can tell where a tensor lives and who owns it.
+
+The host pool marks the buffers it hands out as host memory; buffers hf_memo allocates for itself
+(rounding buffers, prefetch buffers, ...) are marked with a stable name the memory planner can key
+offsets by. Tags are weak: they disappear with the storage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+_HOST = WeakIdKeyDictionary()
+_NAMES = WeakIdKeyDictionary()
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Record that ``tensor``'s storage is host memory standing in for device memory (offloading)."""
+    _HOST[tensor.untyped_storage()] = True
+    return tensor
+
+
+def mark_owned(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Record that ``tensor``'s storage is hf_memo's buffer ``name`` (stable across steps)."""
+    _NAMES[tensor.untyped_storage()] = name
+    return tensor
+
+
+def location_of(storage: torch.UntypedStorage) -> str:
+    """``"host"`` for storages marked by :func:`mark_host`, else ``"device"``."""
+    return "host" if storage in _HOST else "device"
+
+
+def owner_of(storage: torch.UntypedStorage) -> str | None:
+    """The name given by :func:`mark_owned`, or ``None``."""
+    return _NAMES.get(storage)
