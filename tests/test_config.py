@@ -56,7 +56,7 @@ def test_config_is_immutable():
         MemoConfig().mlp_chunks = 3
 
 
-@pytest.mark.parametrize("field,value", [("recompute", "memo"), ("planner", "cpsat"), ("sequence_parallel_size", 2)])
+@pytest.mark.parametrize("field,value", [("planner", "cpsat"), ("sequence_parallel_size", 2)])
 def test_knobs_of_later_capabilities_refuse_instead_of_being_ignored(field, value):
     with pytest.raises(ValueError, match="not yet supported"):
         MemoConfig(**{field: value})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -12,6 +13,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
 def _intermediate_size(config: PretrainedConfig) -> int:
     return config.intermediate_size
+
+
+def _no_window(layer: nn.Module) -> int | None:
+    return getattr(layer.self_attn, "sliding_window", None)
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,9 @@ class Family:
         decoder_layer: the decoder layer class.
         mlp: the MLP class; each instance gets the mini-sequence forward.
         intermediate_size: the MLP's hidden width ``I`` from the model config.
+        split: ``split(layer, position_embeddings)`` cuts a decoder layer around its attention core
+            for the memo executor (a :class:`hf_memo.runtime.executor.LayerSplit`).
+        sliding_window: the attention window of a decoder layer, or ``None`` for full causal attention.
         output_class: the output type of ``causal_lm.forward``.
     """
 
@@ -31,5 +39,7 @@ class Family:
     causal_lm: type[PreTrainedModel]
     decoder_layer: type[nn.Module]
     mlp: type[nn.Module]
+    split: Callable[[nn.Module, Any], Any]
     intermediate_size: Callable[[PretrainedConfig], int] = _intermediate_size
+    sliding_window: Callable[[nn.Module], int | None] = _no_window
     output_class: type[ModelOutput] = CausalLMOutputWithPast

@@ -1,4 +1,4 @@
-"""The forwards hf_memo installs: mini-sequence MLP, and the causal LM with the mini-sequence loss.
+"""The forwards hf_memo installs: mini-sequence MLP, causal LM with the mini-sequence loss, decoder layers.
 
 Each is called as ``impl(config, ..., module, inner, *args, **kwargs)`` where ``inner`` is the
 forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
@@ -9,17 +9,21 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
-from hf_memo.minseq.chunking import resolve_chunks
+from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.patches.family import Family
+from hf_memo.runtime.executor import MemoLayerFunction
+from hf_memo.runtime.memo import MemoRuntime
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -80,3 +84,107 @@ def causal_lm_forward(
     passthrough = {f.name for f in dataclasses.fields(family.output_class)} - {"loss", "logits"}
     result = family.output_class(loss=loss, **{name: outputs.get(name) for name in passthrough})
     return result if return_dict else result.to_tuple()
+
+
+def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``inner``'s arguments by name, ``**kwargs`` merged in."""
+    signature = inspect.signature(inner)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    return arguments
+
+
+def _refuse_hf_checkpointing(config: MemoConfig, layer: nn.Module) -> None:
+    if getattr(layer, "gradient_checkpointing", False):
+        raise ValueError(hf_checkpointing_conflict(config))
+
+
+def hf_checkpointing_conflict(config: MemoConfig) -> str:
+    """The error for Hugging Face gradient checkpointing turned on under a recompute mode of hf_memo."""
+    return (
+        f"MemoConfig.recompute={config.recompute!r} cannot be combined with Hugging Face gradient checkpointing "
+        "(model.gradient_checkpointing_enable() or TrainingArguments(gradient_checkpointing=True)): both decide "
+        "what to recompute. Turn Hugging Face checkpointing off, or use MemoConfig(recompute='none')."
+    )
+
+
+def memo_layer_forward(
+    config: MemoConfig,
+    family: Family,
+    runtime: MemoRuntime,
+    index: int,
+    layer: nn.Module,
+    inner: Callable,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """Decoder-layer forward under the memo executor (training with gradients); otherwise the original."""
+    if not (layer.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    _refuse_hf_checkpointing(config, layer)
+    arguments = _bound_arguments(inner, args, kwargs)
+    hidden = arguments["hidden_states"]
+    params = trainable_params(layer)
+    if not (hidden.requires_grad or params):
+        return inner(*args, **kwargs)  # nothing to differentiate: nothing to keep
+    window = family.sliding_window(layer)
+    if window is not None and hidden.shape[1] > window:
+        raise ValueError(
+            f"recompute='memo' computes full causal attention, but this layer uses a sliding window of {window} "
+            f"tokens and the sequence has {hidden.shape[1]}"
+        )
+    if arguments.get("attention_mask") is not None or arguments.get("encoder_hidden_states") is not None:
+        raise ValueError(
+            "recompute='memo' runs causal self-attention over whole sequences; it got an attention mask "
+            "(padding, packed sequences or a non-sdpa attention implementation) or cross-attention inputs. "
+            "Batch sequences of equal length without padding and use attn_implementation='sdpa'."
+        )
+    split = family.split(layer, arguments.get("position_embeddings"))
+    width = family.intermediate_size(layer_config(layer))
+    chunks = resolve_chunks(config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens)
+    bounds = chunk_bounds(hidden.shape[1], chunks)
+    alpha_chunks = runtime.alpha_chunks(split, hidden, len(bounds))
+    return MemoLayerFunction.apply(runtime, split, index, bounds, alpha_chunks, hidden, *params)
+
+
+def layer_config(layer: nn.Module) -> Any:
+    """The model config a decoder layer was built from."""
+    attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attn
+    return attn.config.get_text_config()
+
+
+def _keep_matmuls_and_attention(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # Ops without autograd (e.g. inside the mini-sequence functions' own forward) need nothing saved.
+    if op in SELECTIVE_SAVE_OPS and torch.is_grad_enabled():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SELECTIVE_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def checkpointed_layer_forward(config: MemoConfig, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Decoder-layer forward under ``recompute="full"`` (keep the input) or ``"selective"`` (keep matmul and
+    attention outputs, recompute norms, activations, RoPE and elementwise ops)."""
+    if not (layer.training and torch.is_grad_enabled()):
+        return inner(*args, **kwargs)
+    _refuse_hf_checkpointing(config, layer)
+    arguments = _bound_arguments(inner, args, kwargs)
+    if "past_key_values" in arguments:  # the recomputation must not write the KV cache a second time
+        arguments["past_key_values"] = None
+    arguments["use_cache"] = False
+    if config.recompute == "selective":
+        context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
+        return checkpoint(lambda **named: inner(**named), use_reentrant=False, context_fn=context, **arguments)
+    return checkpoint(lambda **named: inner(**named), use_reentrant=False, **arguments)

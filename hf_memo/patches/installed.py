@@ -6,7 +6,9 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-_MISSING = object()
+
+class _Missing:
+    """Marks an attribute that was absent before patching (a class, so ``copy.deepcopy`` keeps its identity)."""
 
 
 class InstalledForward:
@@ -37,7 +39,7 @@ class PatchRecord:
         self._changes: list[tuple[Any, str, Any]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
-        self._changes.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        self._changes.append((obj, name, obj.__dict__.get(name, _Missing)))
         setattr(obj, name, value)
 
     def install_forward(self, module: Any, impl: Callable) -> None:
@@ -46,7 +48,7 @@ class PatchRecord:
 
     def undo(self) -> None:
         for obj, name, previous in reversed(self._changes):
-            if previous is _MISSING:
+            if previous is _Missing:
                 delattr(obj, name)
             else:
                 setattr(obj, name, previous)

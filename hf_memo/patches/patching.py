@@ -9,19 +9,27 @@ from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
 from hf_memo.patches.family import Family
-from hf_memo.patches.forwards import causal_lm_forward, mlp_forward
+from hf_memo.patches.forwards import (
+    causal_lm_forward,
+    checkpointed_layer_forward,
+    hf_checkpointing_conflict,
+    memo_layer_forward,
+    mlp_forward,
+)
 from hf_memo.patches.installed import PatchRecord
+from hf_memo.runtime.memo import MemoRuntime
 
 _STATE_ATTR = "_hf_memo_patch"
 
 
 @dataclass
 class PatchState:
-    """What hf_memo did to a model: the config it applied, the family, and how to undo it."""
+    """What hf_memo did to a model: the config it applied, the family, how to undo it, the memo runtime."""
 
     config: MemoConfig
     family: Family
     record: PatchRecord
+    runtime: MemoRuntime | None = None
 
 
 def patch_state(model: PreTrainedModel) -> PatchState | None:
@@ -36,13 +44,23 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
             f"'{family.model_type}'), got {type(model).__name__}"
         )
+    if config.recompute != "none" and model.is_gradient_checkpointing:
+        raise ValueError(hf_checkpointing_conflict(config))
     record = PatchRecord()
-    width = family.intermediate_size(model.config.get_text_config())
-    for module in model.modules():
-        if isinstance(module, family.mlp):
-            record.install_forward(module, partial(mlp_forward, config, width))
+    layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
+    runtime = MemoRuntime(config, len(layers)) if config.recompute == "memo" else None
+    if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
+        width = family.intermediate_size(model.config.get_text_config())
+        for module in model.modules():
+            if isinstance(module, family.mlp):
+                record.install_forward(module, partial(mlp_forward, config, width))
+    for index, layer in enumerate(layers):
+        if runtime is not None:
+            record.install_forward(layer, partial(memo_layer_forward, config, family, runtime, index))
+        elif config.recompute in ("full", "selective"):
+            record.install_forward(layer, partial(checkpointed_layer_forward, config))
     record.install_forward(model, partial(causal_lm_forward, config, family))
-    model.__dict__[_STATE_ATTR] = PatchState(config, family, record)
+    model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
 
 def unpatch_model(model: PreTrainedModel) -> None:

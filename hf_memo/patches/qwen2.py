@@ -9,12 +9,14 @@ from transformers.models.qwen2 import modeling_qwen2 as hf
 from hf_memo.config import MemoConfig
 from hf_memo.patches.classes import install_on_class
 from hf_memo.patches.family import Family
+from hf_memo.patches.llama import llama_layout_split
 
 FAMILY = Family(
     model_type="qwen2",
     causal_lm=hf.Qwen2ForCausalLM,
     decoder_layer=hf.Qwen2DecoderLayer,
     mlp=hf.Qwen2MLP,
+    split=llama_layout_split(hf.apply_rotary_pos_emb),
 )
 
 

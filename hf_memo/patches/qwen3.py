@@ -9,12 +9,14 @@ from transformers.models.qwen3 import modeling_qwen3 as hf
 from hf_memo.config import MemoConfig
 from hf_memo.patches.classes import install_on_class
 from hf_memo.patches.family import Family
+from hf_memo.patches.llama import llama_layout_split
 
 FAMILY = Family(
     model_type="qwen3",
     causal_lm=hf.Qwen3ForCausalLM,
     decoder_layer=hf.Qwen3DecoderLayer,
     mlp=hf.Qwen3MLP,
+    split=llama_layout_split(hf.apply_rotary_pos_emb),
 )
 
 

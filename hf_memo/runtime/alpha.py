@@ -1,0 +1,84 @@
+"""MEMO's offload fraction: how many tokens' activations to offload instead of recomputing.
+
+For ``n`` layers of which ``n - 2`` are swapped, with per-layer bytes ``S_in`` (layer input),
+``S_attn`` (attention output and statistics) and ``S_other`` (every other saved activation, all
+tokens), host bandwidth ``B``, one layer's forward time ``T`` and host memory ``M``, MEMO solves::
+
+    maximise alpha  s.t.  (S_in + S_attn + alpha * S_other) / B <= T          (copies hide behind compute)
+                          (n - 2) * (S_in + S_attn + alpha * S_other) <= M    (the host holds them)
+                          0 <= alpha <= 1
+
+A one-variable LP: the answer is the smallest of the two bounds, clipped to [0, 1]. When even
+``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers are swapped as
+fit and the rest keep their activations on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """The solved offload: fraction of tokens offloaded, and how many of the lowest layers are swapped."""
+
+    alpha: float
+    swapped_layers: int
+    bound: str  # which constraint decided alpha: "bandwidth", "host memory", "requested" or "all"
+
+
+def solve_offload_fraction(
+    num_layers: int,
+    fixed_bytes: float,
+    other_bytes: float,
+    host_limit: float,
+    bandwidth: float | None = None,
+    layer_time: float | None = None,
+    requested: float | None = None,
+) -> OffloadPlan:
+    """Solve MEMO's LP for one layer shape.
+
+    Args:
+        num_layers: decoder layers ``n``; the last two are never swapped.
+        fixed_bytes: ``S_in + S_attn`` of one layer (always offloaded for swapped layers).
+        other_bytes: ``S_other`` of one layer at ``alpha = 1``.
+        host_limit: host bytes offloading may use, ``M``.
+        bandwidth: device<->host bytes per second ``B``; with ``layer_time``, the copy constraint.
+        layer_time: seconds one layer's forward takes, ``T``.
+        requested: a fixed alpha asked for by the user; only lowered (with a warning) if the host
+            cannot hold it.
+    """
+    candidates = max(num_layers - 2, 0)
+    swapped = candidates if fixed_bytes <= 0 else min(candidates, int(host_limit // fixed_bytes))
+    if swapped < candidates:
+        warnings.warn(
+            f"host memory limit {host_limit / 2**30:.1f} GiB holds the layer inputs and attention outputs of "
+            f"{swapped} of {candidates} layers; the other {candidates - swapped} keep them on the device",
+            stacklevel=2,
+        )
+    if swapped == 0 or other_bytes <= 0:
+        return OffloadPlan(0.0 if other_bytes > 0 else 1.0, swapped, "host memory" if swapped == 0 else "all")
+    memory_alpha = (host_limit / swapped - fixed_bytes) / other_bytes
+    if requested is not None:
+        alpha, bound = requested, "requested"
+        if memory_alpha < requested:
+            alpha, bound = max(memory_alpha, 0.0), "host memory"
+            warnings.warn(
+                f"offload_fraction={requested} needs more host memory than the limit allows; using {alpha:.3f}",
+                stacklevel=2,
+            )
+        return OffloadPlan(min(alpha, 1.0), swapped, bound)
+    bandwidth_alpha = math.inf
+    if bandwidth is not None and layer_time is not None:
+        bandwidth_alpha = (bandwidth * layer_time - fixed_bytes) / other_bytes
+    alpha, bound = (bandwidth_alpha, "bandwidth") if bandwidth_alpha <= memory_alpha else (memory_alpha, "host memory")
+    if alpha >= 1.0:
+        return OffloadPlan(1.0, swapped, "all")
+    return OffloadPlan(max(alpha, 0.0), swapped, bound)
+
+
+def quantise(alpha: float, chunks: int) -> int:
+    """Whole mini-sequence chunks covered by ``alpha`` (rounded down, so no constraint is exceeded)."""
+    return min(chunks, math.floor(alpha * chunks + 1e-9))

@@ -1,0 +1,234 @@
+"""The MEMO layer executor: attention computed once, token-wise offload or recompute of everything else.
+
+One decoder layer is split by its model family into three per-call pieces (a :class:`LayerSplit`):
+
+* ``project(x_rows, start, stop)``: norm, q/k/v projections and RoPE for rows ``[start, stop)`` of the
+  sequence, ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``;
+* the attention core over the whole sequence (never recomputed: its output and softmax statistics
+  are kept and its backward is called directly);
+* ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``.
+
+Everything but attention is per token, so the sequence is cut into mini-sequence chunks. The first
+``alpha_chunks`` chunks ("offloaded tokens") build their autograd graph in forward with every saved
+tensor moved into the layer's :class:`~hf_memo.runtime.stash.LayerStash`; the other chunks run
+without a graph and are recomputed chunk by chunk in backward from the stashed layer input and
+attention output. The stash goes to host memory for all but the last two layers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+
+from hf_memo.minseq.grads import GradSum
+from hf_memo.minseq.replay import ReplayState
+from hf_memo.runtime.attention_core import AttentionStats, attention_backward, attention_forward
+from hf_memo.runtime.stash import LayerStash
+
+
+class LayerSplit(Protocol):
+    """A decoder layer cut around its attention core (see the module docstring)."""
+
+    scale: float
+
+    def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor: ...
+
+    def kept(self) -> list[torch.Tensor]:
+        """Tensors that are never stashed: the layer's parameters and buffers, shared RoPE tables."""
+        ...
+
+
+class StashSource(Protocol):
+    """Where layers get their stash and find the one below them (implemented by ``MemoRuntime``)."""
+
+    def open_stash(self, index: int, device: torch.device) -> LayerStash: ...
+
+    def sealed(self, index: int, stash: LayerStash) -> None: ...
+
+    def prefetch_below(self, index: int) -> None: ...
+
+    def attention_ran(self) -> None: ...
+
+
+class _Source(torch.autograd.Function):
+    """A graph input that holds no data: ``value`` seen by autograd as coming from a node of its own.
+
+    Differentiating with that node's edge as input yields the gradient for ``value`` while the only
+    references to its memory are the saved tensors of the graph, which the stash offloads.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise AssertionError("graph sources are inputs of autograd.grad, never traversed")
+
+
+def _stash_hooks(stash: LayerStash, keep: list[torch.Tensor]) -> saved_tensors_hooks:
+    """Saved-tensor hooks that put everything but (views of) ``keep`` into ``stash``."""
+    kept = {id(t.untyped_storage()) for t in keep}
+    alive = [t.untyped_storage() for t in keep]  # keeps the ids above valid
+
+    def pack(tensor: torch.Tensor):
+        if id(tensor.untyped_storage()) in kept:
+            return (alive, tensor)
+        return stash.add(tensor)
+
+    def unpack(packed) -> torch.Tensor:
+        return packed[1] if isinstance(packed, tuple) else stash.rebuild(packed)
+
+    return saved_tensors_hooks(pack, unpack)
+
+
+def _accumulate(grads: list, need_x: int, sums: GradSum, wanted: list[bool]) -> list:
+    """Split ``autograd.grad`` results into the first ``need_x`` input grads and parameter grads (added to ``sums``)."""
+    rest = iter(grads[need_x:])
+    sums.add([next(rest) if w else None for w in wanted])
+    return grads[:need_x]
+
+
+def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t[:, start:stop]
+
+
+class MemoLayerFunction(torch.autograd.Function):
+    """One decoder layer under the memo executor; parameters are inputs and get their gradients from here."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        runtime: StashSource,
+        split: LayerSplit,
+        index: int,
+        bounds: list[tuple[int, int]],
+        alpha_chunks: int,
+        x: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        stash = runtime.open_stash(index, x.device)
+        hooks = _stash_hooks(stash, split.kept())
+        anchor = torch.zeros((), device=x.device, requires_grad=True)
+        offloaded, recomputed = bounds[:alpha_chunks], bounds[alpha_chunks:]
+        x = x.detach()  # rows are read through graph sources or without autograd, never through x's graph
+        ctx.x_ref = stash.add(x)
+
+        qkv: list[list[torch.Tensor]] = [[], [], []]
+        ctx.pre_graphs, ctx.pre_replays, ctx.qkv_refs = [], [], []
+        with torch.enable_grad(), hooks:
+            for start, stop in offloaded:
+                x_in = _Source.apply(anchor, _rows(x, start, stop))
+                outputs = split.project(x_in, start, stop)
+                ctx.pre_graphs.append((get_gradient_edge(x_in), [get_gradient_edge(t) for t in outputs]))
+                for parts, t in zip(qkv, outputs):
+                    parts.append(t.detach())
+        with torch.no_grad():
+            for start, stop in recomputed:
+                ctx.pre_replays.append(ReplayState.capture(x.device))
+                for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
+                    parts.append(t)
+        ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
+        q, k, v = (torch.cat(parts, dim=2) for parts in qkv)
+        del qkv
+        out, stats = attention_forward(q, k, v, split.scale)
+        runtime.attention_ran()
+        del q, k, v
+        ctx.o_ref, ctx.lse_ref, ctx.stats_extra = stash.add(out), stash.add(stats.lse), stats.extra
+        o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+
+        y = None
+        ctx.post_graphs, ctx.post_replays = [], []
+        for chunk, (start, stop) in enumerate(bounds):
+            if chunk < len(offloaded):
+                with torch.enable_grad(), hooks:
+                    x_in = _Source.apply(anchor, _rows(x, start, stop))
+                    o_in = _Source.apply(anchor, _rows(o_rows, start, stop))
+                    y_rows = split.finish(x_in, o_in)
+                    ctx.post_graphs.append(
+                        (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows))
+                    )
+                    y_rows = y_rows.detach()
+            else:
+                ctx.post_replays.append(ReplayState.capture(x.device))
+                with torch.no_grad():
+                    y_rows = split.finish(_rows(x, start, stop), _rows(o_rows, start, stop))
+            if y is None:
+                y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
+            y[:, start:stop] = y_rows
+        del out, o_rows, stats
+        stash.seal()
+        runtime.sealed(index, stash)
+        ctx.runtime, ctx.split, ctx.index, ctx.bounds, ctx.stash = runtime, split, index, bounds, stash
+        ctx.alpha_chunks = alpha_chunks
+        ctx.save_for_backward(*params)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        stash: LayerStash = ctx.stash
+        split: LayerSplit = ctx.split
+        params = ctx.saved_tensors
+        ctx.runtime.prefetch_below(ctx.index)
+        wanted = list(ctx.needs_input_grad[6:])
+        wanted_params = [p for p, w in zip(params, wanted) if w]
+        sums = GradSum(params, wanted)
+        x = stash.rebuild(ctx.x_ref)
+        out = stash.rebuild(ctx.o_ref)
+        o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+        grad_x = torch.empty_like(x)
+        grad_o = torch.empty_like(o_rows)
+        offloaded, recomputed = ctx.bounds[: ctx.alpha_chunks], ctx.bounds[ctx.alpha_chunks :]
+
+        for (start, stop), (x_edge, o_edge, y_edge) in zip(offloaded, ctx.post_graphs):
+            grads = torch.autograd.grad(
+                [y_edge], [x_edge, o_edge, *wanted_params], [_rows(grad_y, start, stop)], allow_unused=True
+            )
+            grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
+        for (start, stop), replay in zip(recomputed, ctx.post_replays):
+            x_rows = _rows(x, start, stop).detach().requires_grad_(True)
+            o_in = _rows(o_rows, start, stop).detach().requires_grad_(True)
+            with torch.enable_grad(), replay.replay():
+                y_rows = split.finish(x_rows, o_in)
+            grads = torch.autograd.grad(
+                y_rows, [x_rows, o_in, *wanted_params], _rows(grad_y, start, stop), allow_unused=True
+            )
+            grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
+
+        qkv: list[list[torch.Tensor]] = [[], [], []]
+        for refs in ctx.qkv_refs:
+            for parts, ref in zip(qkv, refs):
+                parts.append(stash.rebuild(ref))
+        for (start, stop), replay in zip(recomputed, ctx.pre_replays):
+            with torch.no_grad(), replay.replay():
+                for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
+                    parts.append(t)
+        q, k, v = (torch.cat(parts, dim=2) for parts in qkv)
+        del qkv
+        stats = AttentionStats(stash.rebuild(ctx.lse_ref), ctx.stats_extra)
+        grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
+        dq, dk, dv = attention_backward(grad_out, q, k, v, out, stats, split.scale)
+        del q, k, v, grad_o, grad_out, out, o_rows
+
+        for (start, stop), (x_edge, edges) in zip(offloaded, ctx.pre_graphs):
+            grads = torch.autograd.grad(
+                edges, [x_edge, *wanted_params], [t[:, :, start:stop] for t in (dq, dk, dv)], allow_unused=True
+            )
+            (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
+            grad_x[:, start:stop] += grad_pre
+        for (start, stop), replay in zip(recomputed, ctx.pre_replays):
+            x_rows = _rows(x, start, stop).detach().requires_grad_(True)
+            with torch.enable_grad(), replay.replay():
+                outputs = split.project(x_rows, start, stop)
+            grads = torch.autograd.grad(
+                outputs, [x_rows, *wanted_params], [t[:, :, start:stop] for t in (dq, dk, dv)], allow_unused=True
+            )
+            (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
+            grad_x[:, start:stop] += grad_pre
+        stash.release()
+        ctx.post_graphs = ctx.pre_graphs = ctx.stash = None
+        return (None, None, None, None, None, grad_x, *sums.result())

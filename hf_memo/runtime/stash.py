@@ -1,0 +1,156 @@
+"""What one decoder layer keeps between its forward and its backward, and where it keeps it.
+
+A :class:`LayerStash` collects the layer's saved tensors during forward (the layer input, the
+attention output and statistics, and the saved activations of its offloaded tokens), by storage, so
+views are kept once. When the layer's forward ends it is *sealed*: for a swapped layer the storages
+are packed into the layer's rounding buffer (two alternate, layer ``i`` uses ``i % 2``) and copied
+to a pooled host buffer on the device-to-host stream, and the device copies are dropped. In
+backward the bytes come back into one of two prefetch buffers — ahead of time, while the layer
+above computes — and every saved tensor is rebuilt as a view with its original shape and strides.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from hf_memo.profiler.placement import mark_owned
+from hf_memo.runtime.offload import CopyEngine, HostPool
+
+ALIGN = 512
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class StashRef:
+    """Where one saved tensor lives in a stash: storage ``index`` plus the tensor's view of it."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class DeviceSlots:
+    """Two alternating flat device buffers (``name 0`` and ``name 1``) reused across layers and steps.
+
+    A slot is handed out only after the work that last used it is done (``release`` records when).
+    """
+
+    def __init__(self, name: str, device: torch.device, engine: CopyEngine) -> None:
+        self.name, self.device, self.engine = name, device, engine
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._busy: list[torch.cuda.Event | None] = [None, None]
+
+    def acquire(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The ``(>= nbytes,)`` uint8 buffer of ``slot``, once its previous use has finished."""
+        self.engine.wait(self._busy[slot])
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), f"{self.name} {slot}")
+            self._buffers[slot] = buffer
+        return buffer
+
+    def release(self, slot: int, done: torch.cuda.Event | None) -> None:
+        """Record the event after which ``slot`` may be reused."""
+        self._busy[slot] = done
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+
+class LayerStash:
+    """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``."""
+
+    def __init__(
+        self,
+        index: int,
+        swapped: bool,
+        engine: CopyEngine,
+        pool: HostPool,
+        rounding: DeviceSlots,
+        prefetch: DeviceSlots,
+    ) -> None:
+        self.index, self.swapped = index, swapped
+        self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
+        self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
+        self._index_of: dict[int, int] = {}  # id(UntypedStorage) -> position, valid until seal
+        self._alive: list[torch.UntypedStorage] = []  # keeps those ids from being reused until seal
+        self._layout: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per storage
+        self.nbytes = 0  # aligned bytes of the sealed stash
+        self._host: torch.Tensor | None = None
+        self._return_host = lambda: None  # gives the host buffer back to the pool, once
+        self._fetched: torch.cuda.Event | None = None
+        self._slot_buffer: torch.Tensor | None = None
+
+    def add(self, tensor: torch.Tensor) -> StashRef:
+        """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it."""
+        storage = tensor.untyped_storage()
+        if id(storage) not in self._index_of:
+            self._index_of[id(storage)] = len(self._storages)
+            self._alive.append(storage)
+            self._storages.append(torch.as_strided(tensor, (storage.nbytes() // tensor.element_size(),), (1,), 0))
+        return StashRef(
+            self._index_of[id(storage)],
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.storage_offset(),
+        )
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of the distinct storages collected so far (unaligned)."""
+        return sum(whole.numel() * whole.element_size() for whole in self._storages)
+
+    def seal(self) -> None:
+        """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA)."""
+        self._index_of, self._alive = {}, []
+        for whole in self._storages:
+            nbytes = whole.numel() * whole.element_size()
+            self._layout.append((self.nbytes, nbytes, whole.dtype))
+            self.nbytes += _aligned(nbytes)
+        if not self.swapped:
+            return
+        slot = self.index % 2
+        staging = self._rounding.acquire(slot, self.nbytes)
+        for whole, view in zip(self._storages, self._views(staging)):
+            view.copy_(whole)
+        self._host = self._pool.acquire(self.nbytes)
+        # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
+        self._return_host = weakref.finalize(self, self._pool.release, self._host)
+        self._rounding.release(slot, self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes]))
+        self._storages = []
+
+    def prefetch(self) -> None:
+        """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
+        if self.swapped and self._slot_buffer is None and self._host is not None:
+            buffer = self._prefetch.acquire(self.index % 2, self.nbytes)
+            self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes])
+            self._slot_buffer = buffer
+
+    def rebuild(self, ref: StashRef) -> torch.Tensor:
+        """The saved tensor ``ref`` describes, as a view of its storage on the device."""
+        if not self._storages:  # swapped: wait for the prefetch (or fetch now if none was started)
+            self.prefetch()
+            self._engine.wait(self._fetched)
+            self._storages = self._views(self._slot_buffer)
+        base = self._storages[ref.index]
+        return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
+
+    def release(self) -> None:
+        """After the layer's backward: drop the device copy and give the host buffer back to the pool."""
+        if self._slot_buffer is not None:
+            self._prefetch.release(self.index % 2, self._engine.mark())
+        self._return_host()
+        self._storages, self._host, self._slot_buffer = [], None, None
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer[offset : offset + nbytes].view(dtype) for offset, nbytes, dtype in self._layout]

@@ -1,0 +1,243 @@
+"""Decoder-layer recompute modes (full, selective, memo) against the unpatched Hugging Face model."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_memo
+from hf_memo.patches.patching import patch_state
+from tests.conftest import assert_same_grads, build_model, make_batch
+
+LAYERS = 5  # the last two layers stay on the device; three are swapped to the host
+MODES = [
+    ("full", None),
+    ("selective", None),
+    ("memo", 0.0),
+    ("memo", 1 / 8),
+    ("memo", 1 / 4),
+    ("memo", 1 / 2),
+    ("memo", 1.0),
+]
+
+
+def _build(family, **kw):
+    layers = {"n_layer": LAYERS} if family == "gpt2" else {"num_hidden_layers": LAYERS}
+    return build_model(family, **layers, **kw)
+
+
+def _apply(model, recompute, alpha, **kw):
+    extra = {} if alpha is None else {"offload_fraction": alpha}
+    return hf_memo.apply(model, recompute=recompute, mlp_chunks=8, lm_head_chunks=3, **extra, **kw)
+
+
+def _step(model, ids, labels, **kwargs):
+    out = model(input_ids=ids, labels=labels, **kwargs)
+    out.loss.backward()
+    return out.loss.detach()
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self, *ops):
+        super().__init__()
+        self.ops, self.counts = ops, {op: 0 for op in ops}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.counts:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+CASES = [(family, *mode) for family in ("llama", "gpt2") for mode in MODES] + [
+    (family, *mode) for family in ("mistral", "qwen2", "qwen3") for mode in (("selective", None), ("memo", 0.5))
+]
+
+
+@pytest.mark.parametrize("family,recompute,alpha", CASES, ids=[f"{f}-{m}-{a}" for f, m, a in CASES])
+def test_loss_and_every_gradient_match_unpatched(family, recompute, alpha):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    _apply(model, recompute, alpha)
+    ids, labels = make_batch(2, 19)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_memo_swaps_the_lower_layers_and_offloads_the_requested_fraction():
+    model = _apply(_build("llama"), "memo", 0.5)
+    _step(model, *make_batch(2, 16))
+    runtime = patch_state(model).runtime
+    assert runtime.plan.swapped_layers == LAYERS - 2 and runtime.plan.alpha == 0.5
+    assert runtime.host_reserved_bytes > 0
+
+
+def test_memo_runs_attention_once_per_layer_and_never_in_backward():
+    model = _apply(_build("qwen3"), "memo", 0.25)
+    _step(model, *make_batch(2, 16, seed=1))  # first step: calibration probe
+    runtime = patch_state(model).runtime
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    before = runtime.attention_calls
+    for seed in (2, 3):
+        with OpCounter(flash, flash_backward) as counter:
+            out = model(input_ids=make_batch(2, 16, seed=seed)[0], labels=make_batch(2, 16, seed=seed)[1])
+            assert counter.counts[flash] == LAYERS
+            out.loss.backward()
+        assert counter.counts == {flash: LAYERS, flash_backward: LAYERS}
+    assert runtime.attention_calls - before == 2 * LAYERS
+
+
+def test_full_recompute_runs_attention_twice_per_layer():
+    model = _apply(_build("llama"), "full", None)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with OpCounter(flash) as counter:
+        _step(model, *make_batch(1, 16))
+    assert counter.counts[flash] == 2 * LAYERS
+
+
+@pytest.mark.parametrize("mlp_chunks,kept_per_layer", [(1, 6), (8, 4)])
+def test_selective_keeps_matmul_outputs_and_recomputes_the_rest(mlp_chunks, kept_per_layer):
+    counts = {}
+    for recompute in ("full", "selective"):
+        model = hf_memo.apply(_build("llama"), recompute=recompute, mlp_chunks=mlp_chunks)
+        ids, labels = make_batch(1, 16)
+        loss = model(input_ids=ids, labels=labels).loss
+        mm, rsqrt = torch.ops.aten.mm.default, torch.ops.aten.rsqrt.default
+        with OpCounter(mm, rsqrt) as counter:
+            loss.backward()
+        counts[recompute] = counter.counts
+    # Per layer, full recomputation repeats the projections selective kept: q, k, v, o and, unless the MLP runs
+    # in mini-sequences (whose intermediates are never kept), gate and up (down's output is saved by nothing,
+    # so neither mode recomputes it)...
+    mm = torch.ops.aten.mm.default
+    assert counts["full"][mm] - counts["selective"][mm] == kept_per_layer * LAYERS
+    # ...while both recompute the two RMSNorms of every layer.
+    assert counts["full"][torch.ops.aten.rsqrt.default] == counts["selective"][torch.ops.aten.rsqrt.default] > 0
+
+
+def test_memo_host_pool_does_not_grow_across_steps():
+    model = _apply(_build("gpt2"), "memo", 0.5)
+    runtime = patch_state(model).runtime
+    sizes = []
+    for seed in range(4):
+        model.zero_grad()
+        _step(model, *make_batch(2, 16, seed=seed))
+        sizes.append((runtime.host_reserved_bytes, runtime.device_buffer_bytes))
+    assert sizes[0][0] > 0 and len(set(sizes)) == 1
+
+
+def test_memo_with_lora_matches_unpatched_lora():
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
+    model, reference = _build("llama"), None
+    reference = copy.deepcopy(model)
+    torch.manual_seed(3)
+    model = get_peft_model(model, lora)
+    torch.manual_seed(3)
+    reference = get_peft_model(reference, lora)
+    for m in (model, reference):
+        for name, p in m.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    _apply(model, "memo", 0.5)
+    ids, labels = make_batch(2, 17)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_memo_under_bf16_autocast_tracks_unpatched_autocast():
+    model = _build("llama", dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", 0.5)
+    ids, labels = make_batch(2, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=ids, labels=labels).loss
+        want = reference(input_ids=ids, labels=labels).loss
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        cosine = torch.nn.functional.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0)
+        assert cosine > 0.99, name
+
+
+def test_memo_gradient_accumulation_with_num_items(family):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", 0.5)
+    batches = [make_batch(2, 13, seed=s) for s in (4, 5)]
+    num_items = torch.tensor(sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches))
+    for ids, labels in batches:
+        _step(model, ids, labels, num_items_in_batch=num_items)
+        _step(reference, ids, labels, num_items_in_batch=num_items)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "memo"])
+def test_hf_checkpointing_conflict_is_refused_at_apply_and_at_run_time(recompute):
+    model = _build("llama")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=f"recompute='{recompute}' cannot be combined with Hugging Face gradient"):
+        hf_memo.apply(model, recompute=recompute)
+    model = hf_memo.apply(_build("llama"), recompute=recompute)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="cannot be combined with Hugging Face gradient checkpointing"):
+        _step(model, *make_batch(1, 8))
+
+
+def test_memo_refuses_padding_masks_windows_and_attention_dropout():
+    model = _apply(_build("llama"), "memo", 0.0)
+    ids, labels = make_batch(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="causal self-attention over whole sequences; it got an attention mask"):
+        model(input_ids=ids, labels=labels, attention_mask=mask)
+    windowed = _apply(_build("mistral", sliding_window=8), "memo", 0.0)
+    with pytest.raises(ValueError, match="sliding window of 8 tokens and the sequence has 12"):
+        windowed(input_ids=ids, labels=labels)
+    dropout = _apply(_build("gpt2", attn_pdrop=0.1), "memo", 0.0)
+    with pytest.raises(ValueError, match="attn_pdrop to 0"):
+        dropout(input_ids=ids, labels=labels)
+
+
+def test_memo_leaves_evaluation_untouched():
+    model = _apply(_build("llama"), "memo", 1.0)
+    reference = copy.deepcopy(model)
+    hf_memo.revert(reference)
+    model.eval()
+    reference.eval()
+    ids, _ = make_batch(2, 11)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_memo_under_the_trainer_matches_plain_training_step_by_step(tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ids, labels = make_batch(8, 16, seed=9)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    losses = {}
+    for name in ("plain", "memo"):
+        model = _build("llama", dtype=torch.float32)
+        if name == "memo":
+            _apply(model, "memo", 0.5)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        losses[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses["memo"]) == 2
+    torch.testing.assert_close(torch.tensor(losses["memo"]), torch.tensor(losses["plain"]), rtol=1e-5, atol=0)

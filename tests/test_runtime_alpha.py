@@ -1,0 +1,52 @@
+import math
+
+import pytest
+
+from hf_memo.runtime.alpha import quantise, solve_offload_fraction
+
+GiB = 2**30
+
+
+def test_bandwidth_bound():
+    # 10 GB/s for 0.1 s moves 1 GiB-ish: room for the fixed 0.5 GB plus a quarter of 2 GB.
+    plan = solve_offload_fraction(
+        10, fixed_bytes=0.5e9, other_bytes=2e9, host_limit=1e15, bandwidth=10e9, layer_time=0.1
+    )
+    assert plan.bound == "bandwidth" and math.isclose(plan.alpha, 0.25) and plan.swapped_layers == 8
+
+
+def test_host_bound():
+    # 8 swapped layers share 12 GB: 1.5 GB each = 0.5 fixed + alpha * 2 -> alpha = 0.5.
+    plan = solve_offload_fraction(
+        10, fixed_bytes=0.5e9, other_bytes=2e9, host_limit=12e9, bandwidth=1e12, layer_time=1.0
+    )
+    assert plan.bound == "host memory" and math.isclose(plan.alpha, 0.5)
+
+
+def test_both_bounds_take_the_tighter_one():
+    args = dict(num_layers=10, fixed_bytes=0.5e9, other_bytes=2e9, host_limit=12e9, layer_time=0.1)
+    assert solve_offload_fraction(**args, bandwidth=10e9).bound == "bandwidth"  # 0.25 < 0.5
+    assert solve_offload_fraction(**args, bandwidth=20e9).bound == "host memory"  # 0.75 > 0.5
+
+
+def test_unconstrained_offloads_everything_and_impossible_offloads_nothing():
+    assert solve_offload_fraction(4, 1.0, 1.0, 1e12, bandwidth=1e12, layer_time=1.0).alpha == 1.0
+    assert solve_offload_fraction(4, 1e9, 1e9, 1e12, bandwidth=1e8, layer_time=1.0).alpha == 0.0
+
+
+def test_requested_alpha_is_kept_or_lowered_with_a_warning():
+    assert solve_offload_fraction(10, 0.5e9, 2e9, 1e15, requested=0.75).alpha == 0.75
+    with pytest.warns(UserWarning, match="offload_fraction=0.75 needs more host memory"):
+        plan = solve_offload_fraction(10, 0.5e9, 2e9, 12e9, requested=0.75)
+    assert math.isclose(plan.alpha, 0.5) and plan.bound == "host memory"
+
+
+def test_layers_that_do_not_fit_stay_on_the_device():
+    with pytest.warns(UserWarning, match="holds the layer inputs and attention outputs of 3 of 8 layers"):
+        plan = solve_offload_fraction(10, fixed_bytes=1 * GiB, other_bytes=1 * GiB, host_limit=3.5 * GiB)
+    assert plan.swapped_layers == 3 and 0 <= plan.alpha < 0.2
+
+
+def test_quantise_rounds_down_to_the_chunk_grid():
+    assert quantise(0.49, 4) == 1 and quantise(0.5, 4) == 2 and quantise(1.0, 3) == 3 and quantise(0.0, 8) == 0
+    assert quantise(1 / 8, 8) == 1
