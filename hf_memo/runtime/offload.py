@@ -58,8 +58,9 @@ class CopyEngine:
         if stream is None:
             dst.copy_(src)
             return None
-        ready = after if after is not None else torch.cuda.current_stream(self.device).record_event()
-        stream.wait_event(ready)
+        stream.wait_event(torch.cuda.current_stream(self.device).record_event())
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             return stream.record_event()
@@ -71,7 +72,8 @@ class CopyEngine:
     def to_device(
         self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None
     ) -> torch.cuda.Event | None:
-        """Copy host ``src`` into device ``dst`` after ``after`` (default: the compute stream's work so far)."""
+        """Copy host ``src`` into device ``dst`` once the compute stream's work so far and ``after`` (e.g. the
+        copy that filled ``src``) are done."""
         return self._copy(self.h2d, dst, src, after)
 
     def wait(self, event: torch.cuda.Event | None) -> None:

@@ -87,6 +87,7 @@ class LayerStash:
         self.nbytes = 0  # aligned bytes of the sealed stash
         self._host: torch.Tensor | None = None
         self._return_host = lambda: None  # gives the host buffer back to the pool, once
+        self._stored: torch.cuda.Event | None = None  # the device-to-host copy
         self._fetched: torch.cuda.Event | None = None
         self._slot_buffer: torch.Tensor | None = None
 
@@ -126,14 +127,15 @@ class LayerStash:
         self._host = self._pool.acquire(self.nbytes)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
         self._return_host = weakref.finalize(self, self._pool.release, self._host)
-        self._rounding.release(slot, self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes]))
+        self._stored = self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes])
+        self._rounding.release(slot, self._stored)
         self._storages = []
 
     def prefetch(self) -> None:
         """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
         if self.swapped and self._slot_buffer is None and self._host is not None:
             buffer = self._prefetch.acquire(self.index % 2, self.nbytes)
-            self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes])
+            self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes], self._stored)
             self._slot_buffer = buffer
 
     def rebuild(self, ref: StashRef) -> torch.Tensor:
