@@ -37,6 +37,18 @@ from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 LABELS = ("parameter", "buffer", "gradient", "optimizer", "activation")
 
 
+@dataclass(frozen=True)
+class StorageTag:
+    """What the recorder knows about one malloc, keyed by where it is (to tag a CUDA allocator trace)."""
+
+    address: int
+    size: int
+    phase: str
+    category: str
+    location: str
+    name: str | None
+
+
 @dataclass
 class _Storage:
     """What is known about one allocation (one trace id)."""
@@ -44,6 +56,7 @@ class _Storage:
     size: int
     stage: str
     phase: str
+    address: int | None = None
     location: str = "device"
     name: str | None = None
     label: str | None = None
@@ -87,7 +100,8 @@ class AllocationRecorder(TorchDispatchMode):
     def _malloc(self, storage: torch.UntypedStorage) -> int:
         tensor_id = len(self._info)
         phase = self._phase()
-        self._info[tensor_id] = _Storage(storage.nbytes(), self._stage(), phase)
+        address = None if storage.device.type == "meta" else storage.data_ptr()  # fake storages are meta
+        self._info[tensor_id] = _Storage(storage.nbytes(), self._stage(), phase, address)
         self._ids[storage] = tensor_id
         self._refs[tensor_id] = weakref.ref(storage, partial(self._on_death, tensor_id))
         self._retag(storage, tensor_id)
@@ -110,13 +124,23 @@ class AllocationRecorder(TorchDispatchMode):
         info.location = placement.location_of(storage)
         info.name = placement.owner_of(storage)
 
-    def _see(self, storage: torch.UntypedStorage) -> int:
-        """The trace id of ``storage``, recording a malloc if it is new or a free+malloc if its size changed."""
+    def _see(self, storage: torch.UntypedStorage) -> int | None:
+        """The trace id of ``storage``: a malloc if it is new, a free and a malloc if its size changed.
+
+        Empty storages hold no memory and get no id (resizing one to 0 bytes frees it).
+        """
+        known = storage in self._ids
         tensor_id = self._ids.get(storage)
-        if tensor_id is not None and self._info[tensor_id].size == storage.nbytes():
+        size = storage.nbytes()
+        if tensor_id is not None and self._info[tensor_id].size == size:
             return tensor_id
         if tensor_id is not None:
             self._free(tensor_id)
+        elif known and size == 0:
+            return None
+        if size == 0:
+            self._ids[storage] = None
+            return None
         return self._malloc(storage)
 
     def _resize_recording(self) -> Callable[[torch.UntypedStorage, int], Any]:
@@ -166,7 +190,7 @@ class AllocationRecorder(TorchDispatchMode):
         """Record the storages of the tensors in ``value`` (any pytree) if new, optionally labelling them."""
         for storage in _storages(value):
             tensor_id = self._see(storage)
-            if label is not None:
+            if label is not None and tensor_id is not None:
                 self._set_label(tensor_id, label)
 
     def label(self, value: Any, label: str) -> None:
@@ -199,3 +223,11 @@ class AllocationRecorder(TorchDispatchMode):
             )
         live = sorted(self._refs)
         return AllocationTrace(events, {**(meta or {}), "live_at_end": live})
+
+    def storage_tags(self) -> list[StorageTag]:
+        """Every malloc of real (not fake) memory in order, with its address, size and final tags."""
+        return [
+            StorageTag(info.address, info.size, info.phase, self._category(info), info.location, info.name)
+            for op, tensor_id, _ in self._events
+            if op == "malloc" and (info := self._info[tensor_id]).address is not None
+        ]

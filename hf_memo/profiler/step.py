@@ -62,26 +62,19 @@ def training_step(
     stage("other")
 
 
-def trace_training_step(
+def record_training_step(
     model: nn.Module,
     batch_size: int,
     seq_len: int,
     optimizer: str = "adamw",
-    meta: dict[str, Any] | None = None,
-) -> AllocationTrace:
-    """Record every allocation of one training step of ``model`` on random ``(batch_size, seq_len)`` tokens.
+    on_start: Callable[[], None] | None = None,
+) -> tuple[AllocationRecorder, int]:
+    """Run one training step of ``model`` under an :class:`AllocationRecorder`; the recorder and the layer count.
 
-    Call inside the model's fake session (or with a real model on its device). Parameters, buffers,
-    optimizer state and the ``input_ids``/labels come first as ``malloc`` events of phase
-    ``"other"``; what is still alive at the end is listed in ``meta["live_at_end"]``.
-
-    Args:
-        model: a Hugging Face causal LM (or a PEFT model wrapping one) in train mode.
-        batch_size, seq_len: the ``(B, S)`` shape of the token batch.
-        optimizer: ``"adamw"`` (fused AdamW over the trainable parameters) or ``"none"``
-            (forward and backward only; gradients stay alive at the end).
-        meta: stored in the trace's ``meta`` (with ``batch_size``, ``seq_len``, ``optimizer``, ``layers``).
+    See :func:`trace_training_step`; the recorder also gives the addresses of real allocations.
+    ``on_start()`` is called once the optimizer state and the inputs exist, right before recording.
     """
+    model.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = steady_optimizer(model, optimizer)
     layers = decoder_layers(model)
@@ -89,11 +82,12 @@ def trace_training_step(
     tracker = PhaseTracker(layers)
     recorder = AllocationRecorder(tracker.phase, lambda: tracker.stage)
     hooks = [p.register_post_accumulate_grad_hook(lambda p: recorder.label(p.grad, "gradient")) for p in params]
+    if on_start is not None:
+        on_start()
     try:
         with tracker, recorder:
             recorder.track(list(model.parameters()), "parameter")
             recorder.track(list(model.buffers()), "buffer")
-            recorder.track([p.grad for p in params if p.grad is not None], "gradient")
             if opt is not None:
                 recorder.track(list(opt.state.values()), "optimizer")
             recorder.track(input_ids, "activation")
@@ -103,5 +97,30 @@ def trace_training_step(
     finally:
         for hook in hooks:
             hook.remove()
-    info = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "layers": len(layers)}
+    return recorder, len(layers)
+
+
+def trace_training_step(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    optimizer: str = "adamw",
+    meta: dict[str, Any] | None = None,
+) -> AllocationTrace:
+    """Record every allocation of one training step of ``model`` on random ``(batch_size, seq_len)`` tokens.
+
+    Call inside the model's fake session (or with a real model on its device). Gradients are
+    released first; parameters, buffers, optimizer state and the ``input_ids`` (also the labels)
+    come first as ``malloc`` events of phase ``"other"``; what is still alive at the end is listed
+    in ``meta["live_at_end"]``.
+
+    Args:
+        model: a Hugging Face causal LM (or a PEFT model wrapping one) in train mode.
+        batch_size, seq_len: the ``(B, S)`` shape of the token batch.
+        optimizer: ``"adamw"`` (fused AdamW over the trainable parameters) or ``"none"``
+            (forward and backward only; gradients stay alive at the end).
+        meta: stored in the trace's ``meta`` (with ``batch_size``, ``seq_len``, ``optimizer``, ``layers``).
+    """
+    recorder, layers = record_training_step(model, batch_size, seq_len, optimizer)
+    info = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "layers": layers}
     return recorder.trace({**info, **(meta or {})})
