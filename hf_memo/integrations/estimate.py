@@ -110,7 +110,6 @@ class Estimate:
     def table(self) -> str:
         """The side-by-side text table the command line prints."""
         names = list(self.modes)
-        width = max(16, *(len(n) + 2 for n in names))
         rows: list[tuple[str, list[str]]] = []
         for category in ("parameter", "gradient", "optimizer", "activation", "temporary", "buffer"):
             label = {"optimizer": "optimizer state", "temporary": "temporaries"}.get(category, category + "s")
@@ -120,13 +119,17 @@ class Estimate:
         rows.append(("peak device memory", [format_bytes(self.modes[n].footprint.device.total) for n in names]))
         rows.append(("  reached in", [self.modes[n].footprint.device.phase for n in names]))
         rows.append(("peak host memory", [format_bytes(self.modes[n].footprint.host.total) for n in names]))
-        rows.append((f"fits {format_bytes(self.gpu_memory)}", ["yes" if self.modes[n].fits else "no" for n in names]))
+        budget = format_bytes(self.gpu_memory) + (
+            f" + {format_bytes(self.host_memory)} host" if self.host_memory is not None else ""
+        )
+        rows.append((f"fits {budget}", ["yes" if self.modes[n].fits else "no" for n in names]))
         if any(self.modes[n].longest_seq_len is not None for n in names):
             rows.append(("longest sequence", [_longest(self.modes[n]) for n in names]))
         label_width = max(len(label) for label, _ in rows) + 2
+        width = 2 + max(len(cell) for cell in names + [v for _, values in rows for v in values])
         lines = [
             f"{self.model}: {self.layers} layers, {self.dtype}, batch {self.batch_size} x {self.seq_len:,} tokens, "
-            f"{'full fine-tuning' if self.trainable == 'full' else 'LoRA (r=8, PEFT default targets)'}, "
+            f"{'full fine-tuning' if self.trainable == 'full' else f'LoRA (r={LORA_RANK}, PEFT default targets)'}, "
             f"optimizer {'AdamW (fused, states in the parameter dtype)' if self.optimizer == 'adamw' else 'none'}",
             f"GPU memory {format_bytes(self.gpu_memory)}"
             + (f", host memory {format_bytes(self.host_memory)}" if self.host_memory is not None else ""),
@@ -297,7 +300,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trainable", default="full", help="full (default) or lora")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
     parser.add_argument(
-        "--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of: {', '.join(MODES)} (default: all)"
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
     )
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
     parser.add_argument("--no-search", action="store_true", help="skip the search for the longest sequence")
