@@ -19,3 +19,18 @@ def test_minseq_memory_benchmark_runs_and_writes_its_results(tmp_path):
     assert set(results["step_peak"]) == {"2048", "4096"}
     assert results["ratios_at_longest"]["lm_head_loss_hf_over_hf_memo"] > 1
     assert (tmp_path / "minseq_memory.png").stat().st_size > 0
+
+
+def test_estimate_table_benchmark_runs_and_writes_its_results(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "estimate_table.py"), "--tiny", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    results = json.loads((tmp_path / "estimate_table.json").read_text())
+    longest = {mode: row["longest_seq_len"] for mode, row in results["modes"].items()}
+    assert 0 < longest["vanilla"] <= longest["hf-checkpointing"] <= longest["minseq"]
+    assert all(row["relative_difference"] < 0.02 for row in results["extrapolation_check"]["modes"].values())
+    assert "MsT paper" in (tmp_path / "estimate_table.md").read_text()
+    assert (tmp_path / "estimate_timeline.png").stat().st_size > 0

@@ -44,3 +44,15 @@ def test_step_peak_is_positive_and_smaller_with_hf_memo():
     assert peaks[False].parameter == peaks[True].parameter == params
     assert peaks[True].activations < peaks[False].activations
     assert peaks[False].total >= peaks[False].parameter + peaks[False].activations
+
+
+def test_peft_can_add_adapters_to_a_fake_model():
+    from peft import LoraConfig, get_peft_model
+
+    model, session = fake_causal_lm(CONFIG, torch.bfloat16)
+    with session, session.converting_modules():
+        model = get_peft_model(model, LoraConfig(r=4, task_type="CAUSAL_LM"))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(is_fake(p) for p in model.parameters())
+    # rank 4 on q_proj (64 -> 64) and v_proj (64 -> 32) of both layers
+    assert sum(p.numel() for p in trainable) == 2 * (4 * (64 + 64) + 4 * (64 + 32))

@@ -23,3 +23,17 @@ def test_tags_do_not_keep_storages_alive():
     del tensor
     gc.collect()
     assert ref() is None
+
+
+def test_watchers_hear_of_every_tag_until_removed():
+    from hf_memo.profiler.placement import add_tag_watcher, remove_tag_watcher
+
+    heard = []
+    add_tag_watcher(heard.append)
+    try:
+        host = mark_host(torch.empty(4))
+        owned = mark_owned(torch.empty(2), "buffer")
+    finally:
+        remove_tag_watcher(heard.append)
+    mark_host(torch.empty(1))
+    assert [s.data_ptr() for s in heard] == [host.data_ptr(), owned.data_ptr()]

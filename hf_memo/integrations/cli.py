@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hf_memo.integrations import demo
+from hf_memo.integrations import demo, estimate
 
-SUBCOMMANDS = {"demo": demo}
+SUBCOMMANDS = {"demo": demo, "estimate": estimate}
 
 
 def build_parser() -> argparse.ArgumentParser:

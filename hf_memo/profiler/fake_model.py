@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +36,22 @@ class FakeSession:
     def __exit__(self, *exc: Any) -> None:
         masking_utils.find_packed_sequence_indices = self._original
         self.mode.__exit__(*exc)
+
+    @contextmanager
+    def converting_modules(self) -> Iterator[None]:
+        """Let ``module.to(...)`` convert fake parameters (PEFT does it when it adds adapters).
+
+        Fake parameters are converted by swapping tensors, which PyTorch refuses for a tensor that
+        has a weak reference; the fake mode's memo of tensors it created holds such references.
+        Inside this block the memo holds plain references instead, then the weak memo comes back.
+        """
+        converter = self.mode.fake_tensor_converter.meta_converter
+        weak_memo = converter.tensor_memo
+        converter.tensor_memo = {}
+        try:
+            yield
+        finally:
+            converter.tensor_memo = weak_memo
 
 
 def fake_causal_lm(

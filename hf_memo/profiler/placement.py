@@ -7,22 +7,42 @@ offsets by. Tags are weak: they disappear with the storage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _HOST = WeakIdKeyDictionary()
 _NAMES = WeakIdKeyDictionary()
+_WATCHERS: list[Callable[[torch.UntypedStorage], None]] = []
+
+
+def add_tag_watcher(watcher: Callable[[torch.UntypedStorage], None]) -> None:
+    """Call ``watcher(storage)`` whenever a storage is tagged (profilers use it: tags come after allocation)."""
+    _WATCHERS.append(watcher)
+
+
+def remove_tag_watcher(watcher: Callable[[torch.UntypedStorage], None]) -> None:
+    """Stop calling ``watcher``."""
+    _WATCHERS.remove(watcher)
+
+
+def _tagged(storage: torch.UntypedStorage) -> None:
+    for watcher in _WATCHERS:
+        watcher(storage)
 
 
 def mark_host(tensor: torch.Tensor) -> torch.Tensor:
     """Record that ``tensor``'s storage is host memory standing in for device memory (offloading)."""
     _HOST[tensor.untyped_storage()] = True
+    _tagged(tensor.untyped_storage())
     return tensor
 
 
 def mark_owned(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Record that ``tensor``'s storage is hf_memo's buffer ``name`` (stable across steps)."""
     _NAMES[tensor.untyped_storage()] = name
+    _tagged(tensor.untyped_storage())
     return tensor
 
 

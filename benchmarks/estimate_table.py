@@ -1,0 +1,139 @@
+"""Estimator table: the longest sequence that fits an 80 GiB GPU, Llama-3-8B, plain HF vs HF checkpointing vs hf_memo.
+
+AdamW full fine-tuning, bf16 weights and optimizer states, batch 1, fake-tensor profiles (no GPU
+needed), beside the Mini-Sequence Transformer paper's A100-80G measurements for the same setups.
+The run also checks the layer extrapolation against a full 32-layer profile and draws the memory
+timeline of one step per mode.
+
+    python benchmarks/estimate_table.py                   # writes benchmarks/results/<date>-cpu/
+    python benchmarks/estimate_table.py --tiny --out /tmp/x   # seconds-long smoke run on a tiny Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig
+
+import hf_memo
+from hf_memo.profiler.analysis import peak
+from hf_memo.profiler.plot import plot_timelines
+from hf_memo.profiler.shapes import builtin_config
+
+GiB = 2**30
+MODES = ("vanilla", "hf-checkpointing", "minseq")
+# Mini-Sequence Transformer paper, Llama3-8B on one A100-80G, AdamW full fine-tuning, bf16.
+MST_PAPER = {"vanilla": "5K", "hf-checkpointing": "14K", "minseq": "60K"}
+MST_LABELS = {"vanilla": "Llama 3 (no checkpointing)", "hf-checkpointing": "activation checkpointing", "minseq": "MsT"}
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=224,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2000,
+        num_hidden_layers=6,
+        max_position_embeddings=1 << 16,
+    )
+
+
+def markdown(results: dict) -> str:
+    gpu, at = results["gpu_memory_gib"], results["table_seq_len"]
+    lines = [
+        f"Longest sequence that fits one {gpu:g} GiB GPU: {results['model']}, {results['setup']}.",
+        "",
+        f"| mode | longest S (ours, estimated) | MsT paper, A100-80G | peak at S = {at:,} (GiB) |",
+        "|---|---|---|---|",
+    ]
+    for mode in MODES:
+        row = results["modes"][mode]
+        lines.append(
+            f"| {mode} | {row['longest_seq_len']:,} | {row['mst_paper']} ({MST_LABELS[mode]}) | "
+            f"{row['peak_gib_at_table_seq_len']:.2f} |"
+        )
+    lines += ["", f"Method: {results['method']}.", ""]
+    check = results["extrapolation_check"]
+    lines.append(f"Extrapolation vs a full {check['layers']}-layer profile at S = {check['seq_len']:,}:")
+    lines.append("")
+    lines.append("| mode | extrapolated (GiB) | full profile (GiB) | difference |")
+    lines.append("|---|---|---|---|")
+    for mode in MODES:
+        row = check["modes"][mode]
+        lines.append(
+            f"| {mode} | {row['extrapolated'] / GiB:.3f} | {row['full'] / GiB:.3f} | {row['relative_difference']:.2e} |"
+        )
+    lines.append("")
+    lines.append(f"Estimator wall time: {results['seconds']:.0f} s on {results['machine']} (CPU only).")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny Llama, for a smoke run")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
+    args = parser.parse_args()
+
+    date = datetime.date.today().isoformat()
+    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    config = tiny_config() if args.tiny else builtin_config("llama-3-8b")
+    name = "tiny Llama (6 layers)" if args.tiny else "Llama-3-8B"
+    gpu_memory = 64 * 2**20 if args.tiny else 80 * GiB
+    seq_len = 4096 if args.tiny else 16384
+
+    start = time.perf_counter()
+    result = hf_memo.estimate(config, seq_len, gpu_memory=gpu_memory, modes=MODES, keep_traces=True)
+    seconds = time.perf_counter() - start
+    method = result.modes["vanilla"].footprint.method
+    check = {"layers": result.layers, "seq_len": seq_len, "modes": {}}
+    for mode in MODES:
+        extrapolated, full = result.modes[mode].footprint.device.total, peak(result.traces[mode]).total
+        check["modes"][mode] = {
+            "extrapolated": extrapolated,
+            "full": full,
+            "relative_difference": abs(extrapolated - full) / full,
+        }
+    results = {
+        "date": date,
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": name,
+        "setup": "AdamW (fused, bf16 states) full fine-tuning, bf16 weights, batch 1",
+        "gpu_memory_gib": gpu_memory / GiB,
+        "method": method,
+        "seconds": seconds,
+        "table_seq_len": seq_len,
+        "modes": {
+            mode: {
+                "description": result.modes[mode].description,
+                "longest_seq_len": result.modes[mode].longest_seq_len,
+                "mst_paper": MST_PAPER[mode],
+                "peak_gib_at_table_seq_len": result.modes[mode].footprint.device.total / GiB,
+                "peak_at_table_seq_len": result.to_dict()["modes"][mode]["footprint"]["device"],
+            }
+            for mode in MODES
+        },
+        "extrapolation_check": check,
+    }
+    (out / "estimate_table.json").write_text(json.dumps(results, indent=2))
+    table = markdown(results)
+    (out / "estimate_table.md").write_text(table + "\n")
+    title = f"{name}, bf16, batch 1 x {seq_len:,} tokens, AdamW: device memory over one training step"
+    plot_timelines(result.traces, out / "estimate_timeline.png", title, gpu_memory)
+    print(result.table())
+    print()
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

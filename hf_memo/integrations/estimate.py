@@ -1,0 +1,365 @@
+"""``hf_memo.estimate`` and ``hf-memo estimate``: peak memory of a training step and the longest sequence that fits.
+
+Every setup ("mode") is profiled on fake tensors, so any model and any sequence length is estimated
+on a CPU in seconds, without its weights. A mode is one entry of :data:`MODES`: a function that
+configures the freshly built model (checkpointing, ``hf_memo.apply``, ...). Bytes the profile
+finds on the host (offloaded tensors) count as host memory, everything else as device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PretrainedConfig
+
+import hf_memo
+from hf_memo.patches.apply import causal_lm_of
+from hf_memo.profiler.fake_model import FakeSession
+from hf_memo.profiler.footprint import Footprint, StepProfiler
+from hf_memo.profiler.plot import plot_timelines
+from hf_memo.profiler.search import longest_fitting
+from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
+from hf_memo.profiler.step import OPTIMIZERS
+from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.units import format_bytes, parse_bytes, parse_tokens
+
+HELP = "Estimate peak GPU and host memory of a training step per mode, and the longest sequence that fits."
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A training setup: ``configure(model, host_memory)`` turns the bare model into the one trained."""
+
+    description: str
+    configure: Callable[[nn.Module, int | None], None]
+
+
+def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _minseq(model: nn.Module, host_memory: int | None) -> None:
+    _hf_checkpointing(model, host_memory)
+    hf_memo.apply(model)
+
+
+MODES: dict[str, Mode] = {
+    "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
+    "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
+    "minseq": Mode("hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing", _minseq),
+}
+DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq")
+TRAINABLE = ("full", "lora")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LORA_RANK = 8
+# Families whose learned position table caps the sequence length: model_type -> config field.
+_POSITION_LIMITS = {"gpt2": "n_positions"}
+
+
+@dataclass(frozen=True)
+class ModeEstimate:
+    """One mode's result: the footprint at the requested length and the longest length that fits."""
+
+    mode: str
+    description: str
+    footprint: Footprint
+    fits: bool
+    longest_seq_len: int | None
+    longest_is_search_limit: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["footprint"]["device"].pop("index")
+        record["footprint"]["host"].pop("index")
+        return record
+
+
+@dataclass
+class Estimate:
+    """Per-mode memory estimates of one training setup (see :func:`estimate`)."""
+
+    model: str
+    layers: int
+    seq_len: int
+    batch_size: int
+    dtype: str
+    trainable: str
+    optimizer: str
+    gpu_memory: int
+    host_memory: int | None
+    modes: dict[str, ModeEstimate]
+    traces: dict[str, AllocationTrace] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        record = {k: v for k, v in asdict(self).items() if k not in ("modes", "traces")}
+        record["modes"] = {name: result.to_dict() for name, result in self.modes.items()}
+        return record
+
+    def table(self) -> str:
+        """The side-by-side text table the command line prints."""
+        names = list(self.modes)
+        rows: list[tuple[str, list[str]]] = []
+        for category in ("parameter", "gradient", "optimizer", "activation", "temporary", "buffer"):
+            label = {"optimizer": "optimizer state", "temporary": "temporaries"}.get(category, category + "s")
+            rows.append(
+                (f"  {label}", [format_bytes(self.modes[n].footprint.device.by_category[category]) for n in names])
+            )
+        rows.append(("peak device memory", [format_bytes(self.modes[n].footprint.device.total) for n in names]))
+        rows.append(("  reached in", [self.modes[n].footprint.device.phase for n in names]))
+        rows.append(("peak host memory", [format_bytes(self.modes[n].footprint.host.total) for n in names]))
+        budget = format_bytes(self.gpu_memory) + (
+            f" + {format_bytes(self.host_memory)} host" if self.host_memory is not None else ""
+        )
+        rows.append((f"fits {budget}", ["yes" if self.modes[n].fits else "no" for n in names]))
+        if any(self.modes[n].longest_seq_len is not None for n in names):
+            rows.append(("longest sequence", [_longest(self.modes[n]) for n in names]))
+        label_width = max(len(label) for label, _ in rows) + 2
+        width = 2 + max(len(cell) for cell in names + [v for _, values in rows for v in values])
+        lines = [
+            f"{self.model}: {self.layers} layers, {self.dtype}, batch {self.batch_size} x {self.seq_len:,} tokens, "
+            f"{'full fine-tuning' if self.trainable == 'full' else f'LoRA (r={LORA_RANK}, PEFT default targets)'}, "
+            f"optimizer {'AdamW (fused, states in the parameter dtype)' if self.optimizer == 'adamw' else 'none'}",
+            f"GPU memory {format_bytes(self.gpu_memory)}"
+            + (f", host memory {format_bytes(self.host_memory)}" if self.host_memory is not None else ""),
+            "Method: " + next(iter(self.modes.values())).footprint.method + ".",
+            "",
+            " " * label_width + "".join(n.rjust(width) for n in names),
+        ]
+        lines += [label.ljust(label_width) + "".join(v.rjust(width) for v in values) for label, values in rows]
+        lines.append("")
+        lines += [f"{n}: {self.modes[n].description}" for n in names]
+        return "\n".join(lines)
+
+
+def _longest(result: ModeEstimate) -> str:
+    if result.longest_seq_len is None:
+        return "-"
+    return ("≥ " if result.longest_is_search_limit else "") + f"{result.longest_seq_len:,}"
+
+
+def _config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str, PretrainedConfig]:
+    if isinstance(model_or_config, str):
+        return model_or_config, load_config(model_or_config)
+    if isinstance(model_or_config, PretrainedConfig):
+        config = model_or_config
+    elif isinstance(model_or_config, nn.Module):
+        config = causal_lm_of(model_or_config).config
+    else:
+        raise ValueError(
+            f"model_or_config must be a built-in model name ({', '.join(SHAPE_NAMES)}), a path to a config.json, "
+            f"a PretrainedConfig or a model, got {type(model_or_config).__name__}"
+        )
+    name = getattr(config, "_name_or_path", "") or config.model_type
+    return name, check_decoder_lm(config, name)
+
+
+def _with_lora(model: nn.Module, session: FakeSession) -> nn.Module:
+    """``model`` wrapped by PEFT LoRA (rank 8 on PEFT's default target modules for its family)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError("trainable='lora' needs the peft package (pip install peft)") from None
+    with session.converting_modules():
+        try:
+            return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="CAUSAL_LM"))
+        except ValueError as error:
+            raise ValueError(f"PEFT cannot add LoRA to {type(model).__name__}: {error}") from None
+
+
+def _choice(name: str, value: Any, accepted: Sequence[str]) -> Any:
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {', '.join(accepted)}, got {value!r}")
+    return value
+
+
+def estimate(
+    model_or_config: str | PretrainedConfig | nn.Module,
+    seq_len: int | str,
+    gpu_memory: int | str = "80GiB",
+    host_memory: int | str | None = None,
+    batch_size: int = 1,
+    trainable: str = "full",
+    optimizer: str = "adamw",
+    modes: Sequence[str] = DEFAULT_MODES,
+    dtype: torch.dtype = torch.bfloat16,
+    search: bool = True,
+    keep_traces: bool = False,
+    progress: bool = True,
+) -> Estimate:
+    """Peak device memory by category, host memory and the longest sequence that fits, per mode.
+
+    Args:
+        model_or_config: a built-in name (``"llama-3-8b"``, ...), a path to a ``config.json``, a
+            ``PretrainedConfig``, or a model (only its config is used; nothing is run on it).
+        seq_len: tokens per sequence ``S`` (an int or ``"128k"``); batches are ``(batch_size, S)``.
+        gpu_memory: device memory per GPU (``"80GiB"``, ``"80GB"`` or bytes).
+        host_memory: host memory for offloaded tensors; ``None`` puts no limit on it.
+        batch_size: sequences per step.
+        trainable: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA, r=8, PEFT's default targets).
+        optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
+        modes: names from :data:`MODES`.
+        dtype: parameter dtype.
+        search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and ``host_memory``).
+        keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` in ``Estimate.traces``.
+        progress: show a progress bar.
+    """
+    name, config = _config_of(model_or_config)
+    seq_len = parse_tokens(seq_len)
+    gpu_bytes = parse_bytes(gpu_memory)
+    host_bytes = None if host_memory is None else parse_bytes(host_memory)
+    if gpu_bytes <= 0:
+        raise ValueError(f"gpu_memory must be positive, got {gpu_memory!r}")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    _choice("trainable", trainable, TRAINABLE)
+    _choice("optimizer", optimizer, OPTIMIZERS)
+    if not modes:
+        raise ValueError(f"modes must name at least one of {', '.join(MODES)}")
+    for mode in modes:
+        _choice("mode", mode, list(MODES))
+    limit_field = _POSITION_LIMITS.get(config.model_type)
+    search_limit = getattr(config, limit_field) if limit_field else 1 << 24
+    if seq_len > search_limit:
+        raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
+
+    bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
+    results: dict[str, ModeEstimate] = {}
+    traces: dict[str, AllocationTrace] = {}
+    dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+    try:
+        for mode in modes:
+
+            def prepare(model: nn.Module, session: FakeSession, mode: str = mode) -> nn.Module:
+                if trainable == "lora":
+                    model = _with_lora(model, session)
+                MODES[mode].configure(model, host_bytes)
+                return model
+
+            def on_profile(layers: int, tokens: int, mode: str = mode) -> None:
+                bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
+                bar.update()
+
+            meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
+            profiler = StepProfiler(config, prepare, dtype, batch_size, optimizer, on_profile, meta)
+            footprints: dict[int, Footprint] = {}
+
+            def usage(tokens: int, profiler: StepProfiler = profiler, footprints: dict = footprints) -> float:
+                if tokens not in footprints:
+                    footprints[tokens] = profiler.footprint(tokens)
+                host = footprints[tokens].host.total
+                device_share = footprints[tokens].device.total / gpu_bytes
+                return device_share if host_bytes is None else max(device_share, host / max(host_bytes, 1))
+
+            fits = usage(seq_len) <= 1
+            longest = longest_fitting(usage, seq_len, limit=search_limit) if search else None
+            results[mode] = ModeEstimate(
+                mode,
+                MODES[mode].description,
+                footprints[seq_len],
+                fits,
+                longest,
+                longest is not None and longest >= search_limit - search_limit % 256,
+            )
+            if keep_traces:
+                traces[mode] = profiler.trace(seq_len)
+    finally:
+        bar.close()
+    layers = config.get_text_config().num_hidden_layers
+    return Estimate(
+        name, layers, seq_len, batch_size, dtype_name, trainable, optimizer, gpu_bytes, host_bytes, results, traces
+    )
+
+
+# -- command line --------------------------------------------------------------------------------------
+
+
+def add_parser(parser: argparse.ArgumentParser) -> None:
+    def error(message: str) -> None:  # one line, like every other bad input
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    parser.error = error  # type: ignore[method-assign]
+    parser.add_argument(
+        "--model", required=True, help=f"built-in model ({', '.join(SHAPE_NAMES)}) or a path to a config.json"
+    )
+    parser.add_argument("--seq-len", required=True, help="tokens per sequence, e.g. 32768, 128k or 1M")
+    parser.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GiB or 80GB")
+    parser.add_argument("--host-memory", default=None, help="host memory for offloaded activations, e.g. 1TiB")
+    parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
+    parser.add_argument("--trainable", default="full", help="full (default) or lora")
+    parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
+    )
+    parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
+    parser.add_argument("--no-search", action="store_true", help="skip the search for the longest sequence")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", default=None, help="write a memory timeline PNG of each mode here")
+    parser.add_argument("--trace-dir", default=None, help="write each mode's allocation trace here as JSON lines")
+
+
+def _positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in modes:
+        _choice("--modes", mode, list(MODES))
+    result = estimate(
+        args.model,
+        _parse("--seq-len", parse_tokens, args.seq_len),
+        gpu_memory=_parse("--gpu-memory", parse_bytes, args.gpu_memory),
+        host_memory=None if args.host_memory is None else _parse("--host-memory", parse_bytes, args.host_memory),
+        batch_size=_positive_int("--batch", args.batch),
+        trainable=_choice("--trainable", args.trainable, TRAINABLE),
+        optimizer=_choice("--optimizer", args.optimizer, OPTIMIZERS),
+        modes=modes,
+        dtype=DTYPES[_choice("--dtype", args.dtype, list(DTYPES))],
+        search=not args.no_search,
+        keep_traces=bool(args.plot or args.trace_dir),
+    )
+    if args.trace_dir:
+        folder = Path(args.trace_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for mode, trace in result.traces.items():
+            trace.save(folder / f"{mode}.jsonl")
+    if args.plot:
+        shape = f"{result.layers} layers, {result.dtype}, batch {result.batch_size} x {result.seq_len:,} tokens"
+        title = f"{result.model}, {shape}: device memory over one training step"
+        plot_timelines(result.traces, args.plot, title, result.gpu_memory)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.table())
+        if args.trace_dir:
+            print(f"\nTraces: {', '.join(str(Path(args.trace_dir) / f'{m}.jsonl') for m in result.traces)}")
+        if args.plot:
+            print(f"Timeline plot: {args.plot}")
+    return 0
+
+
+def _parse(name: str, parser: Callable[[str], int], text: str) -> int:
+    try:
+        return parser(text)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None

@@ -1,0 +1,233 @@
+"""Every storage allocation and release of a piece of PyTorch code, in request order, as MEMO's malloc/free events.
+
+An :class:`AllocationRecorder` is a ``TorchDispatchMode``: each op's outputs are looked at, and a
+storage seen for the first time is a ``malloc``; a weak reference on it turns its death into the
+matching ``free``. Views and in-place ops return storages already seen, so they add nothing;
+``UntypedStorage.resize_`` and ops that resize their output are recorded as a free of the old size
+and a malloc of the new one. Works on fake tensors (no memory needed) and on real ones.
+
+Each event is tagged with the phase of the step it happened in (from a ``phase`` callable), the
+storage's location and owned-buffer name (from :mod:`hf_memo.profiler.placement` tags) and, when the
+recording is finished, its category:
+
+- ``parameter``, ``buffer``, ``gradient``, ``optimizer``: storages labelled so by the caller;
+- ``activation``: created by the forward pass and still alive after the phase that created it
+  (saved for backward, or passed on to the next layer);
+- ``temporary``: everything else (short-lived forward intermediates, anything created in backward,
+  including recomputation, and optimizer scratch).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hf_memo.profiler import placement
+from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
+
+LABELS = ("parameter", "buffer", "gradient", "optimizer", "activation")
+
+
+@dataclass(frozen=True)
+class StorageTag:
+    """What the recorder knows about one malloc, keyed by where it is (to tag a CUDA allocator trace)."""
+
+    address: int
+    size: int
+    phase: str
+    category: str
+    location: str
+    name: str | None
+
+
+@dataclass
+class _Storage:
+    """What is known about one allocation (one trace id)."""
+
+    size: int
+    stage: str
+    phase: str
+    address: int | None = None
+    location: str = "device"
+    name: str | None = None
+    label: str | None = None
+    free_stage: str | None = None
+    free_phase: str | None = None
+
+
+def _storages(value: Any) -> list[torch.UntypedStorage]:
+    found = []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+            found.append(leaf.untyped_storage())
+    return found
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records storage mallocs and frees while active.
+
+    Args:
+        phase: returns the phase name of the code running now (see :class:`PhaseTracker`).
+        stage: returns ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"`` (decides
+            activation vs temporary).
+
+    Tensors that exist before recording starts are added with :meth:`track`; categories are set
+    with :meth:`label`. :meth:`trace` gives the result once the recorder has exited.
+    """
+
+    def __init__(self, phase: Callable[[], str], stage: Callable[[], str]) -> None:
+        super().__init__()
+        self._phase = phase
+        self._stage = stage
+        self._ids = WeakIdKeyDictionary()  # storage -> trace id
+        self._refs: dict[int, weakref.ref] = {}  # live trace id -> weak reference with the free callback
+        self._info: dict[int, _Storage] = {}
+        self._events: list[tuple[str, int, str]] = []  # (op, id, phase)
+        self._original_resize = torch.UntypedStorage.resize_
+        self._recording = False
+
+    # -- recording ---------------------------------------------------------------------------------
+
+    def _malloc(self, storage: torch.UntypedStorage) -> int:
+        tensor_id = len(self._info)
+        phase = self._phase()
+        address = None if storage.device.type == "meta" else storage.data_ptr()  # fake storages are meta
+        self._info[tensor_id] = _Storage(storage.nbytes(), self._stage(), phase, address)
+        self._ids[storage] = tensor_id
+        self._refs[tensor_id] = weakref.ref(storage, partial(self._on_death, tensor_id))
+        self._retag(storage, tensor_id)
+        self._events.append(("malloc", tensor_id, phase))
+        return tensor_id
+
+    def _free(self, tensor_id: int) -> None:
+        if self._refs.pop(tensor_id, None) is None:
+            return
+        info = self._info[tensor_id]
+        info.free_stage, info.free_phase = self._stage(), self._phase()
+        self._events.append(("free", tensor_id, info.free_phase))
+
+    def _on_death(self, tensor_id: int, _ref: weakref.ref) -> None:
+        if self._recording:
+            self._free(tensor_id)
+
+    def _retag(self, storage: torch.UntypedStorage, tensor_id: int) -> None:
+        info = self._info[tensor_id]
+        info.location = placement.location_of(storage)
+        info.name = placement.owner_of(storage)
+
+    def _see(self, storage: torch.UntypedStorage) -> int | None:
+        """The trace id of ``storage``: a malloc if it is new, a free and a malloc if its size changed.
+
+        Empty storages hold no memory and get no id (resizing one to 0 bytes frees it).
+        """
+        known = storage in self._ids
+        tensor_id = self._ids.get(storage)
+        size = storage.nbytes()
+        if tensor_id is not None and self._info[tensor_id].size == size:
+            return tensor_id
+        if tensor_id is not None:
+            self._free(tensor_id)
+        elif known and size == 0:
+            return None
+        if size == 0:
+            self._ids[storage] = None
+            return None
+        return self._malloc(storage)
+
+    def _resize_recording(self) -> Callable[[torch.UntypedStorage, int], Any]:
+        original = self._original_resize
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = original(storage, size)
+            if storage in self._ids:
+                self._see(storage)
+            return result
+
+        return resize_
+
+    def _on_tag(self, storage: torch.UntypedStorage) -> None:
+        tensor_id = self._ids.get(storage)
+        if tensor_id is not None:
+            self._retag(storage, tensor_id)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for storage in _storages(out):
+            self._see(storage)
+        return out
+
+    def __enter__(self) -> AllocationRecorder:
+        # Cyclic garbage is freed at the end, not at the collector's whim. Nothing is collected
+        # meanwhile, so everything made while recording is still in the youngest generation.
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        self._recording = True
+        torch.UntypedStorage.resize_ = self._resize_recording()  # type: ignore[method-assign]
+        placement.add_tag_watcher(self._on_tag)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        placement.remove_tag_watcher(self._on_tag)
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        gc.collect(0)
+        if self._gc_was_enabled:
+            gc.enable()
+        self._recording = False
+
+    # -- what the caller knows ---------------------------------------------------------------------
+
+    def track(self, value: Any, label: str | None = None) -> None:
+        """Record the storages of the tensors in ``value`` (any pytree) if new, optionally labelling them."""
+        for storage in _storages(value):
+            tensor_id = self._see(storage)
+            if label is not None and tensor_id is not None:
+                self._set_label(tensor_id, label)
+
+    def label(self, value: Any, label: str) -> None:
+        """Give the storages of the tensors in ``value`` the category ``label`` (they must be recorded)."""
+        for storage in _storages(value):
+            tensor_id = self._ids.get(storage)
+            if tensor_id is not None:
+                self._set_label(tensor_id, label)
+
+    def _set_label(self, tensor_id: int, label: str) -> None:
+        if label not in LABELS:
+            raise ValueError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
+        self._info[tensor_id].label = label
+
+    # -- result ------------------------------------------------------------------------------------
+
+    def _category(self, info: _Storage) -> str:
+        if info.label is not None:
+            return info.label
+        outlives_phase = info.free_phase is None or info.free_stage != "forward" or info.free_phase != info.phase
+        return "activation" if info.stage == "forward" and outlives_phase else "temporary"
+
+    def trace(self, meta: dict[str, Any] | None = None) -> AllocationTrace:
+        """The recorded events; ``meta["live_at_end"]`` lists the ids never freed (still alive)."""
+        events = []
+        for op, tensor_id, phase in self._events:
+            info = self._info[tensor_id]
+            events.append(
+                AllocationEvent(op, tensor_id, info.size, phase, self._category(info), info.location, info.name)
+            )
+        live = sorted(self._refs)
+        return AllocationTrace(events, {**(meta or {}), "live_at_end": live})
+
+    def storage_tags(self) -> list[StorageTag]:
+        """Every malloc of real (not fake) memory in order, with its address, size and final tags."""
+        return [
+            StorageTag(info.address, info.size, info.phase, self._category(info), info.location, info.name)
+            for op, tensor_id, _ in self._events
+            if op == "malloc" and (info := self._info[tensor_id]).address is not None
+        ]

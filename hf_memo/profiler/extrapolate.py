@@ -1,0 +1,94 @@
+"""The peak of a deep model from the traces of two shallow copies of it, linear in the number of layers.
+
+Cut a trace into runs of consecutive events of one phase. With identical decoder layers, the bytes
+alive during each run are the bytes alive when it starts, which grow linearly with the number of
+layers, plus the run's own allocations, which do not depend on it. So the peak of every run is
+linear in the layer count, and so is its breakdown by category. The middle layers' runs peak no
+higher than the first or last layer's (the level they start at moves linearly from one to the
+other), so the runs that matter are those of the embedding, the first and the last layer in each
+direction, the head, the optimizer and the rest. Two profiles (``a`` and ``b`` layers) fix each
+run's line; the extrapolated peak is the highest run's value at the target depth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hf_memo.profiler.analysis import Peak, layer_count
+from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
+
+SlotKey = tuple[str, int]
+
+
+def _slot(phase: str, layers: int) -> str | None:
+    """``"layer first forward"`` / ``"layer last backward"`` for the end layers, ``None`` for middle ones."""
+    if not phase.startswith("layer "):
+        return phase
+    _, index, direction = phase.split()
+    if int(index) == layers - 1:
+        return f"layer last {direction}"
+    if int(index) == 0:
+        return f"layer first {direction}"
+    return None
+
+
+def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey, Peak]:
+    """The peak of each run of one phase, keyed by ``(slot, occurrence)`` (middle layers left out)."""
+    layers = layer_count(trace)
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    live = 0
+    peaks: dict[SlotKey, Peak] = {}
+    seen: Counter[str] = Counter()
+    key: SlotKey | None = None
+    previous_phase = None
+    for index, event in enumerate(trace.events):
+        if event.phase != previous_phase:
+            previous_phase = event.phase
+            slot = _slot(event.phase, layers)
+            key = None if slot is None else (slot, seen[slot])
+            if slot is not None:
+                seen[slot] += 1
+                peaks[key] = Peak(live, dict(by_category), index, event.phase)
+        if event.location == location:
+            sign = 1 if event.op == "malloc" else -1
+            live += sign * event.size
+            by_category[event.category] += sign * event.size
+        if key is not None and live > peaks[key].total:
+            peaks[key] = Peak(live, dict(by_category), index, event.phase)
+    return peaks
+
+
+def _target_phase(slot: str, layers: int) -> str:
+    if slot.startswith("layer first "):
+        return f"layer 0 {slot.split()[-1]}"
+    if slot.startswith("layer last "):
+        return f"layer {layers - 1} {slot.split()[-1]}"
+    return slot
+
+
+def extrapolated_peak(shallow: AllocationTrace, deeper: AllocationTrace, layers: int, location: str = "device") -> Peak:
+    """The peak at ``location`` of the same step with ``layers`` decoder layers.
+
+    ``shallow`` and ``deeper`` are traces of the model with fewer layers (at least 2, so the first
+    and last layer differ), identical otherwise. The result's ``index`` is -1 (no event of a trace).
+    """
+    a, b = layer_count(shallow), layer_count(deeper)
+    if not 2 <= a < b:
+        raise ValueError(f"need profiles of 2 <= a < b layers to extrapolate, got a={a}, b={b}")
+    small, large = slot_peaks(shallow, location), slot_peaks(deeper, location)
+    if small.keys() != large.keys():
+        raise ValueError(
+            f"the {a}- and {b}-layer traces do not have the same phases "
+            f"({sorted(small.keys() ^ large.keys())}); profile the full model instead"
+        )
+    best = Peak(0)
+    for key, low in small.items():
+        high = large[key]
+        scale = (layers - a) / (b - a)
+        by_category = {
+            c: round(low.by_category[c] + scale * (high.by_category[c] - low.by_category[c])) for c in CATEGORIES
+        }
+        total = sum(by_category.values())
+        if total > best.total:
+            best = Peak(total, by_category, -1, _target_phase(key[0], layers))
+    return best

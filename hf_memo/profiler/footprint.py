@@ -1,0 +1,117 @@
+"""Peak device and host memory of one training step at any sequence length, from fake-tensor profiles.
+
+A :class:`StepProfiler` holds one training setup (model config, dtype, batch size, optimizer and a
+``prepare`` function that turns the bare model into the one trained: LoRA, checkpointing, hf_memo).
+Deep models are profiled at two shallow depths and extrapolated (see :mod:`.extrapolate`); models no
+deeper than that are profiled whole. Fake models are built once per depth and reused for every
+sequence length.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from hf_memo.profiler.analysis import Peak, peak
+from hf_memo.profiler.extrapolate import extrapolated_peak
+from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
+from hf_memo.profiler.step import trace_training_step
+from hf_memo.profiler.trace import AllocationTrace
+
+PROFILE_LAYERS = (2, 3)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Peak bytes of one step on the device and on the host (offloaded tensors), and how they were found."""
+
+    seq_len: int
+    device: Peak
+    host: Peak
+    layers: int
+    method: str
+
+
+def with_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of ``config`` with ``layers`` decoder layers."""
+    shallow = copy.deepcopy(config)
+    shallow.get_text_config().num_hidden_layers = layers
+    return shallow
+
+
+class StepProfiler:
+    """Profiles one training setup at any sequence length.
+
+    Args:
+        config: the full model's config.
+        prepare: ``prepare(model, session) -> model``, run inside the fake session right after the
+            bare ``*ForCausalLM`` is built: wraps (PEFT) or patches (checkpointing, hf_memo) it.
+        dtype: parameter dtype.
+        batch_size: sequences per step.
+        optimizer: ``"adamw"`` or ``"none"`` (see :func:`trace_training_step`).
+        on_profile: called as ``on_profile(layers, seq_len)`` after each profiled step (progress).
+        meta: added to every trace's ``meta``.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        prepare: Callable[[nn.Module, FakeSession], nn.Module],
+        dtype: torch.dtype = torch.bfloat16,
+        batch_size: int = 1,
+        optimizer: str = "adamw",
+        on_profile: Callable[[int, int], None] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.layers = config.get_text_config().num_hidden_layers
+        self._prepare = prepare
+        self._dtype = dtype
+        self._batch_size = batch_size
+        self._optimizer = optimizer
+        self._on_profile = on_profile
+        self._meta = meta or {}
+        self._models: dict[int, tuple[nn.Module, FakeSession]] = {}
+
+    def _model(self, layers: int) -> tuple[nn.Module, FakeSession]:
+        if layers not in self._models:
+            model, session = fake_causal_lm(with_layers(self.config, layers), self._dtype)
+            with session:
+                model = self._prepare(model, session)
+            self._models[layers] = (model, session)
+        return self._models[layers]
+
+    def trace(self, seq_len: int, layers: int | None = None) -> AllocationTrace:
+        """The allocation trace of one step on ``(batch_size, seq_len)`` tokens, with ``layers`` (default all)."""
+        layers = self.layers if layers is None else layers
+        model, session = self._model(layers)
+        with session:
+            trace = trace_training_step(model, self._batch_size, seq_len, self._optimizer, self._meta)
+        if self._on_profile is not None:
+            self._on_profile(layers, seq_len)
+        return trace
+
+    def footprint(self, seq_len: int) -> Footprint:
+        """Peak device and host bytes at ``seq_len``: a full profile, or two shallow ones extrapolated."""
+        shallow, deeper = PROFILE_LAYERS
+        if self.layers <= deeper:
+            trace = self.trace(seq_len)
+            method = f"profiled all {self.layers} layers on fake tensors"
+            return Footprint(seq_len, peak(trace, "device"), peak(trace, "host"), self.layers, method)
+        small, large = self.trace(seq_len, shallow), self.trace(seq_len, deeper)
+        method = (
+            f"profiled {shallow} and {deeper} of {self.layers} layers on fake tensors, extrapolated linearly in layers"
+        )
+        return Footprint(
+            seq_len,
+            extrapolated_peak(small, large, self.layers, "device"),
+            extrapolated_peak(small, large, self.layers, "host"),
+            self.layers,
+            method,
+        )

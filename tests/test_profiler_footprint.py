@@ -1,0 +1,34 @@
+import torch
+
+import hf_memo
+from hf_memo.profiler.analysis import peak
+from hf_memo.profiler.footprint import StepProfiler, with_layers
+from tests.test_profiler_step import CONFIGS
+
+
+def _minseq(model, session):
+    hf_memo.apply(model, min_chunk_tokens=128)
+    return model
+
+
+def test_deep_models_are_extrapolated_shallow_ones_profiled_whole_and_models_are_reused():
+    calls = []
+    profiler = StepProfiler(CONFIGS["llama"](6), _minseq, torch.bfloat16, on_profile=lambda *a: calls.append(a))
+    footprint = profiler.footprint(1024)
+    assert calls == [(2, 1024), (3, 1024)]
+    assert "extrapolated linearly" in footprint.method
+    full = peak(profiler.trace(1024))
+    assert calls[-1] == (6, 1024)
+    assert footprint.device == type(footprint.device)(full.total, full.by_category, -1, full.phase)
+    profiler.footprint(2048)
+    assert len(profiler._models) == 3  # one fake model per depth, reused across lengths
+
+    shallow = StepProfiler(CONFIGS["llama"](3), _minseq, torch.bfloat16)
+    assert shallow.footprint(512).method == "profiled all 3 layers on fake tensors"
+    assert shallow.footprint(512).host.total == 0
+
+
+def test_with_layers_copies_the_config():
+    config = CONFIGS["gpt2"](4)
+    assert with_layers(config, 2).num_hidden_layers == 2
+    assert config.num_hidden_layers == 4
