@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 import hf_memo
 from hf_memo.patches.apply import causal_lm_of
 from hf_memo.profiler.fake_model import FakeSession
-from hf_memo.profiler.footprint import Footprint, StepProfiler
+from hf_memo.profiler.footprint import PROFILE_LAYERS, Footprint, StepProfiler
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.search import longest_fitting
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
@@ -40,6 +40,7 @@ class Mode:
 
     description: str
     configure: Callable[[nn.Module, int | None], None]
+    profile_layers: tuple[int, int] = PROFILE_LAYERS
 
 
 def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
@@ -55,12 +56,27 @@ def _minseq(model: nn.Module, host_memory: int | None) -> None:
     hf_memo.apply(model)
 
 
+UNLIMITED_HOST = 2**50
+
+
+def _memo(model: nn.Module, host_memory: int | None) -> None:
+    # alpha = 0: the device peak hardly depends on alpha (offloaded tokens end up on the host, the others keep
+    # nothing), and the host memory shown is memo's minimum: each swapped layer's input and attention output.
+    limit = UNLIMITED_HOST if host_memory is None else host_memory
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=limit)
+
+
 MODES: dict[str, Mode] = {
     "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
     "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
     "minseq": Mode("hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing", _minseq),
+    "memo": Mode(
+        "hf_memo.apply(recompute='memo'): MEMO executor, layer inputs and attention outputs on the host",
+        _memo,
+        profile_layers=(4, 5),  # the first depth with both rounding buffers and two device-resident layers
+    ),
 }
-DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq")
+DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
 TRAINABLE = ("full", "lora")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LORA_RANK = 8
@@ -107,6 +123,13 @@ class Estimate:
         record["modes"] = {name: result.to_dict() for name, result in self.modes.items()}
         return record
 
+    def _methods(self) -> list[str]:
+        """One "Method:" line, or one per mode when modes were profiled differently."""
+        methods = {name: result.footprint.method for name, result in self.modes.items()}
+        if len(set(methods.values())) == 1:
+            return [f"Method: {next(iter(methods.values()))}."]
+        return [f"Method ({name}): {method}." for name, method in methods.items()]
+
     def table(self) -> str:
         """The side-by-side text table the command line prints."""
         names = list(self.modes)
@@ -133,7 +156,7 @@ class Estimate:
             f"optimizer {'AdamW (fused, states in the parameter dtype)' if self.optimizer == 'adamw' else 'none'}",
             f"GPU memory {format_bytes(self.gpu_memory)}"
             + (f", host memory {format_bytes(self.host_memory)}" if self.host_memory is not None else ""),
-            "Method: " + next(iter(self.modes.values())).footprint.method + ".",
+            *self._methods(),
             "",
             " " * label_width + "".join(n.rjust(width) for n in names),
         ]
@@ -252,7 +275,9 @@ def estimate(
                 bar.update()
 
             meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
-            profiler = StepProfiler(config, prepare, dtype, batch_size, optimizer, on_profile, meta)
+            profiler = StepProfiler(
+                config, prepare, dtype, batch_size, optimizer, on_profile, meta, MODES[mode].profile_layers
+            )
             footprints: dict[int, Footprint] = {}
 
             def usage(tokens: int, profiler: StepProfiler = profiler, footprints: dict = footprints) -> float:

@@ -57,6 +57,9 @@ class StepProfiler:
         optimizer: ``"adamw"`` or ``"none"`` (see :func:`trace_training_step`).
         on_profile: called as ``on_profile(layers, seq_len)`` after each profiled step (progress).
         meta: added to every trace's ``meta``.
+        profile_layers: the two depths a deeper model is profiled at; every layer after the first of them
+            must behave like the others (e.g. under the memo executor, depth 4 is the first with both
+            rounding buffers in use and two layers kept on the device).
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class StepProfiler:
         optimizer: str = "adamw",
         on_profile: Callable[[int, int], None] | None = None,
         meta: dict[str, Any] | None = None,
+        profile_layers: tuple[int, int] = PROFILE_LAYERS,
     ) -> None:
         self.config = config
+        self.profile_layers = profile_layers
         self.layers = config.get_text_config().num_hidden_layers
         self._prepare = prepare
         self._dtype = dtype
@@ -99,7 +104,7 @@ class StepProfiler:
 
     def footprint(self, seq_len: int) -> Footprint:
         """Peak device and host bytes at ``seq_len``: a full profile, or two shallow ones extrapolated."""
-        shallow, deeper = PROFILE_LAYERS
+        shallow, deeper = self.profile_layers
         if self.layers <= deeper:
             trace = self.trace(seq_len)
             method = f"profiled all {self.layers} layers on fake tensors"
