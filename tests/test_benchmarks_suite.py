@@ -7,7 +7,9 @@ out-of-memory / crash / timeout recording, skipped contenders, the markdown tabl
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import math
 import subprocess
@@ -213,12 +215,20 @@ def _run(out: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> Path:
-    """One dry run: plain HF through its whole plan, two skipped contenders, hf_memo at two lengths."""
+def dry_run_with_log(tmp_path_factory) -> tuple[Path, str]:
+    """One dry run: plain HF through its whole plan, three skipped contenders, hf_memo at two lengths."""
     out = tmp_path_factory.mktemp("suite")
-    _run(out, "--contender", "hf", "--contender", "memo-auto", "--contender", "hf+liger-flce")
-    _run(out, "--contender", "minseq", "--seq-len", "32", "--seq-len", "256")
-    return out
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        skipped = ("memo-auto", "hf+liger-flce", "hf+ckpt+offload")
+        _run(out, "--contender", "hf", *[arg for name in skipped for arg in ("--contender", name)])
+        _run(out, "--contender", "minseq", "--seq-len", "32", "--seq-len", "256")
+    return out, log.getvalue()
+
+
+@pytest.fixture
+def dry_run(dry_run_with_log) -> Path:
+    return dry_run_with_log[0]
 
 
 def _rows(out: Path) -> dict[str, dict]:
@@ -253,6 +263,16 @@ def test_dry_run_reports_skipped_contenders_with_their_reason(dry_run):
     assert memo["status"] == "skipped" and "MemoConfig.recompute='memo'" in memo["reason"]
     assert rows[f"h200/{WORKLOAD}/hf+liger-flce/-"]["status"] == "skipped"
     assert not any(r["seq_len"] is not None for r in rows.values() if r["contender"] in ("memo-auto", "hf+liger-flce"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without a pinned-memory allocator")
+def test_a_contender_the_worker_finds_unavailable_is_skipped_after_one_launch(dry_run_with_log):
+    out, log = dry_run_with_log
+    rows = _rows(out)
+    offload = rows[f"h200/{WORKLOAD}/hf+ckpt+offload/-"]
+    assert offload["status"] == "skipped" and "pins host memory" in offload["reason"]
+    assert not any(r["seq_len"] is not None for r in rows.values() if r["contender"] == "hf+ckpt+offload")
+    assert log.count("hf+ckpt+offload: skipped") == 1
 
 
 def test_dry_run_writes_the_table_with_commands_and_the_plots(dry_run):
@@ -303,7 +323,7 @@ def test_an_error_and_a_crash_of_the_worker_are_recorded(tmp_path, monkeypatch):
 def test_timeouts_are_recorded_and_a_spent_budget_records_nothing(tmp_path):
     _run(tmp_path, "--contender", "hf", "--seq-len", "64", "--time-limit", "0.5")
     row = _rows(tmp_path)[f"h200/{WORKLOAD}/hf/64"]
-    assert row["status"] == "timeout" and "killed after the 0 s limit" in row["reason"]
+    assert row["status"] == "timeout" and "killed after the 0.5 s limit" in row["reason"]
     _run(tmp_path, "--contender", "hf", "--seq-len", "96", "--budget", "0.5")
     assert f"h200/{WORKLOAD}/hf/96" not in _rows(tmp_path)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.suite.search import Longest, longest
-from benchmarks.suite.store import ResultStore, fits_of
+from benchmarks.suite.search import Longest
+from benchmarks.suite.store import ResultStore
 from benchmarks.suite.suites import Plan
 
 WORKLOAD = "llama3-8b-lora"
@@ -46,17 +46,13 @@ def _reference_row(store: ResultStore, contender: str, plan: Plan) -> dict[str, 
     return row if row is not None and row["status"] == "ok" and row["kind"] == "timed" else None
 
 
-def _search(store: ResultStore, contender: str, plan: Plan) -> Longest:
-    return longest(plan.grid, fits_of(store.pair_rows(WORKLOAD, contender)))
-
-
 def _at_least(value: float | None, threshold: float) -> bool | None:
     return None if value is None else value >= threshold
 
 
 def verdict(store: ResultStore, plan: Plan, contender: str) -> Verdict:
     """How ``contender`` stands against every target, from the rows recorded so far."""
-    own, base = _search(store, contender, plan), _search(store, CHECKPOINTING, plan)
+    own, base = store.longest(plan.grid, WORKLOAD, contender), store.longest(plan.grid, WORKLOAD, CHECKPOINTING)
     ratio = None
     longest_ok = None
     if own.complete and base.complete and own.seq_len is not None and base.seq_len is not None:

@@ -7,12 +7,12 @@ from typing import Any
 
 from benchmarks.suite import acceptance
 from benchmarks.suite.contenders import contender
-from benchmarks.suite.search import Longest, longest
-from benchmarks.suite.store import ResultStore, fits_of
+from benchmarks.suite.search import Longest
+from benchmarks.suite.store import ResultStore
 from benchmarks.suite.suites import Plan, Suite
 from benchmarks.suite.workloads import workload
 
-_MARK = {True: "✅", False: "❌", None: "—"}
+_MARK = {True: "✅", False: "❌"}
 
 
 def _size(value: int | None, dry_run: bool) -> str:
@@ -52,10 +52,6 @@ def _environments(store: ResultStore) -> list[str]:
     return seen
 
 
-def _search_of(store: ResultStore, plan: Plan, workload_name: str, contender_name: str) -> Longest:
-    return longest(plan.grid, fits_of(store.pair_rows(workload_name, contender_name)))
-
-
 def _attempted(store: ResultStore, suite: Suite, workload_name: str) -> tuple[list[str], list[str], list[str]]:
     """The suite's contenders for a workload split into (with runs, skipped, not run yet)."""
     ran, skipped, pending = [], [], []
@@ -70,13 +66,13 @@ def _attempted(store: ResultStore, suite: Suite, workload_name: str) -> tuple[li
 
 
 def _memory_key(plan: Plan) -> str:
-    """The memory metric that decides fitting: the allocator's reserved peak on a GPU, counted storage in a dry run."""
+    """The memory metric summarised and plotted: the reserved peak on a GPU, counted storage in a dry run."""
     return "peak_allocated_bytes" if plan.dry_run else "peak_reserved_bytes"
 
 
 def _summary_table(store: ResultStore, suite: Suite, plan: Plan, workload_name: str, names: list[str]) -> list[str]:
     ref = plan.reference_length
-    base = _search_of(store, plan, workload_name, acceptance.CHECKPOINTING)
+    base = store.longest(plan.grid, workload_name, acceptance.CHECKPOINTING)
     memory = "peak allocated" if plan.dry_run else "peak reserved"
     lines = [
         f"| contender | longest S | × {acceptance.CHECKPOINTING} | S={ref:,}: step (s) | tokens/s | MFU "
@@ -84,7 +80,7 @@ def _summary_table(store: ResultStore, suite: Suite, plan: Plan, workload_name: 
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
-        found = _search_of(store, plan, workload_name, name)
+        found = store.longest(plan.grid, workload_name, name)
         ratio = "—"
         if found.seq_len and base.seq_len and found.complete and base.complete:
             ratio = f"{found.seq_len / base.seq_len:.2f}"
@@ -194,7 +190,7 @@ def plot(store: ResultStore, suite: Suite, plan: Plan, workload_name: str, path:
     ran, _, _ = _attempted(store, suite, workload_name)
     lengths, lower_bound = [], []
     for name in ran:
-        found = _search_of(store, plan, workload_name, name)
+        found = store.longest(plan.grid, workload_name, name)
         lengths.append(found.seq_len or 0)
         lower_bound.append(not found.complete or found.at_grid_max)
         rows = [r for r in store.pair_rows(workload_name, name) if r["status"] == "ok"]

@@ -112,7 +112,9 @@ class SuiteRunner:
             return
         for seq_len in self.plan.timed_lengths:
             row = self._ensure(workload_name, contender_name, seq_len, timed=True)
-            if row is None or row["status"] != "ok":
+            if row is None:
+                return
+            if row["status"] != "ok":
                 break
         while (seq_len := next_length(self.plan.grid, self.fits(workload_name, contender_name))) is not None:
             if self._ensure(workload_name, contender_name, seq_len, timed=False) is None:
@@ -234,7 +236,7 @@ class SuiteRunner:
                     raise BudgetSpent from None  # cut short by the budget: not a result, run it again next time
                 return {
                     "status": "timeout",
-                    "reason": f"killed after the {timeout:.0f} s limit",
+                    "reason": f"killed after the {timeout:g} s limit",
                     "metrics": {},
                     "env": {},
                     "wall_s": time.monotonic() - started,

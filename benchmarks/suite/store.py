@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suite.search import Longest, longest
+
 FINISHED = ("ok", "oom", "error", "timeout", "too_slow")  # a row with one of these is not run again
 FAILED = ("oom", "error", "timeout", "too_slow")  # does not train at that length
 PAIR = "-"  # the seq_len part of a row about a whole workload/contender pair (a skipped contender)
@@ -49,6 +51,10 @@ class ResultStore:
             if r["workload"] == workload and r["contender"] == contender and r["seq_len"] is not None
         ]
         return sorted(rows, key=lambda r: r["seq_len"])
+
+    def longest(self, grid: list[int], workload: str, contender: str) -> Longest:
+        """The longest-sequence search's result for a pair, from its recorded rows."""
+        return longest(grid, fits_of(self.pair_rows(workload, contender)))
 
     def put(self, row: dict[str, Any]) -> None:
         key = row_key(self.suite, row["workload"], row["contender"], row["seq_len"])

@@ -41,7 +41,7 @@ from benchmarks.suite.workloads import LORA_TARGETS, Workload, workload
 
 FAULT_VARIABLE = "BENCH_SUITE_FAULT"
 _REASON_CHARS = 3000  # of a traceback, kept in the results
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, ids (B, S), labels (B, S)) -> ()
 
 
 class Unavailable(Exception):
@@ -192,7 +192,11 @@ def _inject_fault() -> None:
 
 
 class TrainingSteps:
-    """Training steps of one prepared model, synchronised so wall-clock times are device times."""
+    """Training steps of one prepared model on fixed ``input_ids`` ``(1, S)`` (also the labels).
+
+    Each step is synchronised with the device, so wall-clock times are device times. AdamW over
+    the trainable parameters, its state allocated up front (:func:`prime_optimizer`).
+    """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, input_ids: torch.Tensor, device: torch.device) -> None:
         self.model, self.loss_fn, self.input_ids, self.device = model, loss_fn, input_ids, device
@@ -262,8 +266,11 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
     metrics.update(flops_per_step=flops, memory_source="storage count (CPU)" if job.dry_run else "cuda allocator")
     process = psutil.Process()
     metrics["host_rss_before_bytes"] = process.memory_info().rss
-    if device.type == "cuda":
+    if device.type == "cuda":  # peaks and counters cover the training steps, not the model's construction
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+            torch.cuda.reset_peak_host_memory_stats()
     _inject_fault()
 
     if job.dry_run:
