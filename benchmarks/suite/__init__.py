@@ -7,5 +7,7 @@
 
 Every configuration (workload, contender, sequence length) runs in its own subprocess
 (:mod:`benchmarks.suite.worker`) with a timeout; its row is appended to ``<suite>.json`` as soon as
-it ends, so an interrupted suite resumes where it stopped.
+it ends, so an interrupted suite resumes where it stopped. On a machine lent for short sessions,
+give every call the same ``--out`` folder and a ``--budget`` in seconds: a call stops between
+configurations when its budget runs out, and the next call picks up from the recorded rows.
 """

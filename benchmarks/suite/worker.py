@@ -93,6 +93,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         env["cuda"] = torch.version.cuda
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # shapes fragmentation
     return env
 
 
