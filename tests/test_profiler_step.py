@@ -113,6 +113,11 @@ def test_phases_follow_the_step_in_order(mode):
         "optimizer",
     ]
     assert {e.category for e in trace.events if e.phase == "optimizer"} == {"gradient"}  # fused AdamW: no scratch
+    starts = trace.meta["stage_starts"]
+    assert 0 < starts["forward"] < starts["backward"] < starts["optimizer"] < starts["other"] <= len(trace.events)
+    assert trace.events[starts["forward"]].phase == "embedding"
+    assert trace.events[starts["optimizer"]].phase == "optimizer"
+    assert all(e.phase != "optimizer" for e in trace.events[: starts["optimizer"]])
 
 
 def test_recomputation_under_checkpointing_belongs_to_the_layers_backward():

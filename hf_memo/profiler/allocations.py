@@ -94,6 +94,11 @@ class AllocationRecorder(TorchDispatchMode):
         self._events: list[tuple[str, int, str]] = []  # (op, id, phase)
         self._original_resize = torch.UntypedStorage.resize_
         self._recording = False
+        self._stage_starts: dict[str, int] = {}
+
+    def mark_stage(self, stage: str) -> None:
+        """Note that ``stage`` starts now: its first event index goes to the trace's ``meta["stage_starts"]``."""
+        self._stage_starts.setdefault(stage, len(self._events))
 
     # -- recording ---------------------------------------------------------------------------------
 
@@ -214,7 +219,8 @@ class AllocationRecorder(TorchDispatchMode):
         return "activation" if info.stage == "forward" and outlives_phase else "temporary"
 
     def trace(self, meta: dict[str, Any] | None = None) -> AllocationTrace:
-        """The recorded events; ``meta["live_at_end"]`` lists the ids never freed (still alive)."""
+        """The recorded events; ``meta["live_at_end"]`` lists the ids never freed (still alive) and
+        ``meta["stage_starts"]`` the first event index of each stage marked with :meth:`mark_stage`."""
         events = []
         for op, tensor_id, phase in self._events:
             info = self._info[tensor_id]
@@ -222,7 +228,7 @@ class AllocationRecorder(TorchDispatchMode):
                 AllocationEvent(op, tensor_id, info.size, phase, self._category(info), info.location, info.name)
             )
         live = sorted(self._refs)
-        return AllocationTrace(events, {**(meta or {}), "live_at_end": live})
+        return AllocationTrace(events, {**(meta or {}), "live_at_end": live, "stage_starts": dict(self._stage_starts)})
 
     def storage_tags(self) -> list[StorageTag]:
         """Every malloc of real (not fake) memory in order, with its address, size and final tags."""

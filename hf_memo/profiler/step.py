@@ -81,6 +81,11 @@ def record_training_step(
     input_ids = token_batch(model, batch_size, seq_len)
     tracker = PhaseTracker(layers)
     recorder = AllocationRecorder(tracker.phase, lambda: tracker.stage)
+
+    def stage(name: str) -> None:
+        tracker.stage = name
+        recorder.mark_stage(name)
+
     hooks = [p.register_post_accumulate_grad_hook(lambda p: recorder.label(p.grad, "gradient")) for p in params]
     if on_start is not None:
         on_start()
@@ -91,7 +96,7 @@ def record_training_step(
             if opt is not None:
                 recorder.track(list(opt.state.values()), "optimizer")
             recorder.track(input_ids, "activation")
-            training_step(model, input_ids, opt, lambda name: setattr(tracker, "stage", name))
+            training_step(model, input_ids, opt, stage)
             if opt is not None:
                 recorder.label(list(opt.state.values()), "optimizer")
     finally:
@@ -112,7 +117,8 @@ def trace_training_step(
     Call inside the model's fake session (or with a real model on its device). Gradients are
     released first; parameters, buffers, optimizer state and the ``input_ids`` (also the labels)
     come first as ``malloc`` events of phase ``"other"``; what is still alive at the end is listed
-    in ``meta["live_at_end"]``.
+    in ``meta["live_at_end"]``; ``meta["stage_starts"]`` gives the index of the first event of each stage
+    (``"forward"``, ``"backward"``, ``"optimizer"``, ``"other"``).
 
     Args:
         model: a Hugging Face causal LM (or a PEFT model wrapping one) in train mode.

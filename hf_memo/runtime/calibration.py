@@ -55,7 +55,7 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
         q, _, _ = split.project(x[:, :1].detach(), 0, 1)
-        MemoLayerFunction.apply(probe, split, 0, [(0, rows)], 1, x[:, :rows].detach().requires_grad_(True))
+        MemoLayerFunction.apply(probe, split, 0, [(0, rows)], 1, x[:, :rows].detach().clone().requires_grad_(True))
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
     fixed = x.shape[-1] * x.element_size() + heads * head_dim * q.element_size() + heads * stat_size

@@ -97,7 +97,9 @@ class LayerStash:
         if id(storage) not in self._index_of:
             self._index_of[id(storage)] = len(self._storages)
             self._alive.append(storage)
-            self._storages.append(torch.as_strided(tensor, (storage.nbytes() // tensor.element_size(),), (1,), 0))
+            # detached: a stashed tensor must not reference the graph whose saved-tensor hooks reference the stash
+            whole = torch.as_strided(tensor.detach(), (storage.nbytes() // tensor.element_size(),), (1,), 0)
+            self._storages.append(whole)
         return StashRef(
             self._index_of[id(storage)],
             tensor.dtype,
