@@ -92,7 +92,7 @@ def plan_memory(
     solver: str = "cpsat",
     time_limit: float = 10.0,
     alignment: int = 512,
-    workers: int = 2,
+    workers: int = 1,
     seed: int = 0,
     progress: bool = True,
 ) -> MemoryPlan:

@@ -92,7 +92,7 @@ def gurobi_offsets(
     hint: np.ndarray,
     floor: int,
     time_limit: float,
-    workers: int = 2,
+    workers: int = 1,
     seed: int = 0,
 ) -> ExactResult:
     """The big-M model solved by Gurobi, warm-started from ``hint``.
