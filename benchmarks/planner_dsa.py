@@ -5,7 +5,10 @@ For every step trace (synthetic, or profiler trace files given with ``--trace``)
 * **layer traces** — the device tensors allocated and freed inside one decoder layer's forward and
   backward (MEMO's level-1 problem for a layer, saved activations included), one per distinct
   layer (identical layers have equal fingerprints): tensors, lower bound (most bytes live), and
-  for CP-SAT, greedy and the MIP the peak / lower bound, proven optimality and seconds;
+  peak / lower bound, proven optimality and seconds of: the planner (``solve_dsa`` with CP-SAT:
+  reductions, greedy first, CP-SAT only when the greedy misses the bound), the greedy alone, and
+  the two exact models *alone* (no reductions, no greedy bound: CP-SAT, and MEMO's big-M MIP in
+  HiGHS as the paper ran it with Gurobi);
 * **whole step** — the bi-level plan (:func:`hf_memo.planner.bilevel.plan_memory`): seconds, peak
   against the step's lower bound, its level-1 and level-2 problems;
 * **caching allocator** — the same step replayed through the simulated PyTorch CUDA caching
@@ -37,10 +40,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from hf_memo.planner.bilevel import LAYER_PHASE, plan_memory
 from hf_memo.planner.caching_allocator import replay
-from hf_memo.planner.dsa import PlannerWarning, solve_dsa
+from hf_memo.planner.cpsat import cpsat_offsets
+from hf_memo.planner.dsa import PlannerWarning, max_live, solve_dsa
 from hf_memo.planner.lifetimes import Trace
+from hf_memo.planner.mip import milp_offsets
+from hf_memo.planner.solution import find_conflict
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.units import format_tokens
 
@@ -355,10 +363,49 @@ def layer_trace(step: AllocationTrace, layer: int) -> Trace:
 
 
 def solve(trace: Trace, solver: str, time_limit: float, workers: int) -> dict:
+    """The planner's own path (:func:`solve_dsa`: reductions, greedy first, exact solver only if needed)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlannerWarning)
         solution = solve_dsa(trace, solver, time_limit=time_limit, workers=workers)
     return {**solution.stats(), "warnings": [str(w.message) for w in caught]}
+
+
+def solve_alone(trace: Trace, solver: str, time_limit: float, workers: int) -> dict:
+    """The exact model by itself, as MEMO ran its MIP: no reductions, no greedy; its upper bound is all
+    tensors stacked on each other (``M`` of the big-M model)."""
+    start = np.array([life.start for life in trace.lifetimes], dtype=np.int64)
+    end = np.array([life.end for life in trace.lifetimes], dtype=np.int64)
+    size = np.array([-(-life.size // 512) for life in trace.lifetimes], dtype=np.int64)
+    stacked = np.concatenate(([0], np.cumsum(size)[:-1]))
+    lower = max_live(start, end, size)
+    began = time.perf_counter()
+    if solver == "cpsat":
+        result = cpsat_offsets(start, end, size, stacked, lower, time_limit, workers)
+    else:
+        result = milp_offsets(start, end, size, stacked, lower, time_limit)
+    seconds = round(time.perf_counter() - began, 3)
+    if result.offsets is None:
+        return {"found": False, "seconds": seconds, "status": str(result.status)}
+    conflict = find_conflict(start, end, size, result.offsets)
+    if conflict is not None:  # big-M numerics: an "optimal" answer whose rounded offsets overlap
+        return {
+            "found": False,
+            "invalid": True,
+            "seconds": seconds,
+            "status": f"{result.status}; tensors {conflict} overlap",
+        }
+    ratio = round(int((result.offsets + size).max()) / lower, 6)
+    return {"found": True, "ratio": ratio, "optimal": result.proven, "seconds": seconds, "status": str(result.status)}
+
+
+def compare_solvers(trace: Trace, time_limit: float, mip_limit: float, workers: int) -> dict:
+    """The planner, the greedy, and CP-SAT and the MIP alone on one trace."""
+    row = {"tensors": len(trace), "lower_bound": trace.lower_bound(512)}
+    row["planner"] = solve(trace, "cpsat", time_limit, workers)
+    row["greedy"] = solve(trace, "greedy", time_limit, workers)
+    row["cpsat_alone"] = solve_alone(trace, "cpsat", time_limit, workers)
+    row["mip_alone"] = solve_alone(trace, "mip", mip_limit, workers) if mip_limit > 0 else None
+    return row
 
 
 def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, workers: int) -> dict:
@@ -371,19 +418,9 @@ def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, w
         distinct.setdefault(trace.fingerprint(), []).append(layer)
     layers = []
     for members in distinct.values():
-        trace = traces[members[0]]
-        row = {"layers": members, "tensors": len(trace), "lower_bound": trace.lower_bound(512)}
-        row["cpsat"] = solve(trace, "cpsat", time_limit, workers)
-        row["greedy"] = solve(trace, "greedy", time_limit, workers)
-        row["mip"] = solve(trace, "mip", mip_limit, workers) if mip_limit > 0 else None
+        row = {"layers": members, **compare_solvers(traces[members[0]], time_limit, mip_limit, workers)}
         layers.append(row)
-        print(
-            f"  layers {members[0]}..{members[-1]}: {row['tensors']} tensors, cpsat x{row['cpsat']['ratio']:.4f} "
-            f"{'optimal' if row['cpsat']['optimal'] else 'NOT PROVEN'} in {row['cpsat']['seconds']:.2f} s, "
-            f"greedy x{row['greedy']['ratio']:.4f}"
-            + (f", mip x{row['mip']['ratio']:.4f} ({row['mip']['solver']})" if row["mip"] else ""),
-            flush=True,
-        )
+        print(f"  layers {members[0]}..{members[-1]}: {_summary_line(row)}", flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlannerWarning)
         plan = plan_memory(step, time_limit=time_limit, workers=workers, progress=False)
@@ -410,18 +447,37 @@ def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, w
     }
 
 
+def _summary_line(row: dict) -> str:
+    p, alone, mip = row["planner"], row["cpsat_alone"], row["mip_alone"]
+    line = f"{row['tensors']} tensors, planner x{p['ratio']:.4f} {'optimal' if p['optimal'] else 'NOT PROVEN'} "
+    line += f"in {p['seconds']:.2f} s, greedy x{row['greedy']['ratio']:.4f}, CP-SAT alone {_alone(alone)}"
+    return line + (f", MIP alone {_alone(mip)}" if mip else "")
+
+
+def _alone(result: dict) -> str:
+    if not result["found"]:
+        return f"{'an invalid answer' if result.get('invalid') else 'nothing found'} in {result['seconds']:.1f} s"
+    proven = "proven" if result["optimal"] else "not proven"
+    return f"x{result['ratio']:.4f} {proven} in {result['seconds']:.2f} s"
+
+
 def _solver_cells(row: dict) -> str:
-    """``CP-SAT peak/LB | proven | s | greedy peak/LB | s | MIP peak/LB | proven | s`` of one problem."""
-    c, g, m = row["cpsat"], row["greedy"], row["mip"]
-    cells = f"{c['ratio']:.4f} | {c['optimal']} | {c['seconds']:.2f} | {g['ratio']:.4f} | {g['seconds']:.3f} | "
-    if m is None:
-        return cells + "- | - | -"
-    if m["solver"] != "mip":  # HiGHS found nothing in time: the greedy fallback is what came back
-        return cells + f"none found | - | {m['seconds']:.1f}"
-    return cells + f"{m['ratio']:.4f} | {m['optimal']} | {m['seconds']:.1f}"
+    p, g = row["planner"], row["greedy"]
+    cells = [f"{p['ratio']:.4f}", str(p["optimal"]), f"{p['seconds']:.2f}", f"{g['ratio']:.4f}", f"{g['seconds']:.3f}"]
+    for alone in (row["cpsat_alone"], row["mip_alone"]):
+        if alone is None:
+            cells += ["-", "-", "-"]
+        elif not alone["found"]:
+            cells += ["invalid answer" if alone.get("invalid") else "none found", "-", f"{alone['seconds']:.1f}"]
+        else:
+            cells += [f"{alone['ratio']:.4f}", str(alone["optimal"]), f"{alone['seconds']:.2f}"]
+    return " | ".join(cells)
 
 
-SOLVER_HEADER = "CP-SAT peak/LB | proven | CP-SAT s | greedy peak/LB | greedy s | MIP peak/LB | MIP proven | MIP s"
+SOLVER_HEADER = (
+    "planner peak/LB | proven | planner s | greedy peak/LB | greedy s | CP-SAT alone peak/LB | proven | "
+    "CP-SAT alone s | MIP alone peak/LB | proven | MIP alone s"
+)
 
 
 def markdown(results: dict) -> str:
@@ -436,7 +492,7 @@ def markdown(results: dict) -> str:
         "saved activations included); identical layers are solved once.",
         "",
         f"| trace | layers | tensors | LB (GiB) | {SOLVER_HEADER} |",
-        "|---|---|---|---|" + "---|" * 8,
+        "|---|---|---|---|" + "---|" * 11,
     ]
     for name, run in results["runs"].items():
         for row in run["layer_traces"]:
@@ -471,11 +527,11 @@ def markdown(results: dict) -> str:
             "",
             "**Irregular traces** (stress case, not layer-like: frees in random order; `irregular_trace`).",
             "",
-            f"| seed | tensors | LB (KiB) | {SOLVER_HEADER} | CP-SAT 2 workers s |",
-            "|---|---|---|" + "---|" * 9,
+            f"| seed | tensors | LB (KiB) | {SOLVER_HEADER} | planner, 2 workers: s |",
+            "|---|---|---|" + "---|" * 12,
         ]
         for row in results["irregular"]:
-            two = row["cpsat_2_workers"]
+            two = row["planner_2_workers"]
             lines.append(
                 f"| {row['seed']} | {row['tensors']} | {row['lower_bound'] / 1024:.1f} | {_solver_cells(row)} | "
                 f"{two['seconds']:.2f}{'' if two['optimal'] else ' (not proven)'} |"
@@ -533,13 +589,9 @@ def main() -> None:
         results["irregular"] = []
         for seed in range(2 if args.tiny else 5):
             trace = irregular_trace(seed, 40 if args.tiny else 150)
-            row = {"seed": seed, "tensors": len(trace), "lower_bound": trace.lower_bound(512)}
-            for solver, limit in (("cpsat", args.time_limit), ("greedy", args.time_limit), ("mip", mip_limit)):
-                row[solver] = solve(trace, solver, limit, args.workers) if limit > 0 else None
-            row["cpsat_2_workers"] = solve(trace, "cpsat", args.time_limit, 2)
-            print(
-                f"irregular {seed}: cpsat x{row['cpsat']['ratio']:.4f} in {row['cpsat']['seconds']:.2f} s", flush=True
-            )
+            row = {"seed": seed, **compare_solvers(trace, args.time_limit, mip_limit, args.workers)}
+            row["planner_2_workers"] = solve(trace, "cpsat", args.time_limit, 2)
+            print(f"irregular {seed}: {_summary_line(row)}", flush=True)
             results["irregular"].append(row)
     stem = "planner_dsa" + ("_traces" if args.trace else "")
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))

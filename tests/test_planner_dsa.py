@@ -157,6 +157,16 @@ def test_invalid_solver_answer_is_caught_and_replaced(monkeypatch):
     check_placement(trace, solution.offsets)
 
 
+def test_a_combined_placement_that_fails_its_check_is_replaced_by_the_greedy(monkeypatch):
+    broken = dsa._Placed(np.zeros(4, dtype=np.int64), 3, 3)
+    monkeypatch.setattr(dsa, "_solve_group", lambda *a, **k: broken)
+    trace = Trace.from_events(GREEDY_IS_NOT_OPTIMAL)
+    with pytest.warns(PlannerWarning, match="the combined placement failed its check .*using the greedy placement"):
+        solution = solve_dsa(trace, "cpsat", alignment=1)
+    assert (solution.peak, solution.optimal) == (6, False)
+    check_placement(trace, solution.offsets)
+
+
 def _hard_trace(seed: int, tensors: int = 250) -> Trace:
     rng = np.random.default_rng(seed)
     events, live = [], []

@@ -9,6 +9,7 @@ from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.runtime.arena import Arena, ArenaWarning
 
 ROWS, DIM, HIDDEN, CHUNKS = 24, 8, 20, 3
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 class RecordingBuffers:
@@ -32,11 +33,11 @@ class RecordingBuffers:
         return AllocationTrace(self.events, {"rows": ROWS})
 
 
-def inputs():
+def inputs(device: str = "cpu"):
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(ROWS, DIM, generator=gen, dtype=torch.float64), torch.randn(ROWS, DIM, generator=gen).double()
     w1, w2 = torch.randn(DIM, HIDDEN, generator=gen).double(), torch.randn(HIDDEN, DIM, generator=gen).double()
-    return x, y, w1, w2
+    return tuple(t.to(device) for t in (x, y, w1, w2))
 
 
 def chunked_mlp_step(buffers, x, y, w1, w2):
@@ -44,11 +45,10 @@ def chunked_mlp_step(buffers, x, y, w1, w2):
 
     ``x, y``: ``(ROWS, DIM)``; ``w1``: ``(DIM, HIDDEN)``; ``w2``: ``(HIDDEN, DIM)``.
     """
-    loss = torch.zeros((), dtype=x.dtype)
+    loss = torch.zeros((), dtype=x.dtype, device=x.device)
     grad_w1, grad_w2 = torch.zeros_like(w1), torch.zeros_like(w2)
-    for c, rows in enumerate(torch.arange(ROWS).chunk(CHUNKS)):
-        n = len(rows)
-        xc, yc = x[rows], y[rows]
+    for c, (xc, yc) in enumerate(zip(x.chunk(CHUNKS), y.chunk(CHUNKS))):
+        n = len(xc)
         hidden = buffers.take(f"chunk {c} hidden", (n, HIDDEN), x.dtype)
         torch.matmul(xc, w1, out=hidden)
         act = buffers.take(f"chunk {c} act", (n, HIDDEN), x.dtype)
@@ -78,19 +78,20 @@ def planned():
     return trace, plan_memory(trace, progress=False)
 
 
-def test_a_computation_through_the_arena_equals_plain_allocations_and_autograd(planned):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_computation_through_the_arena_equals_plain_allocations_and_autograd(planned, device):
     trace, plan = planned
-    arena = Arena(plan, "cpu")
+    arena = Arena(plan, device)
     assert arena.planned and arena.buffer.numel() == plan.arena_size
     total = sum(e.size for e in trace.events if e.op == "malloc")
     assert plan.arena_size < total  # buffers really share memory
     with warnings.catch_warnings():
         warnings.simplefilter("error", ArenaWarning)  # every buffer must come from the plan
-        with_arena = chunked_mlp_step(arena, *inputs())
-    plain = chunked_mlp_step(Arena(None, "cpu"), *inputs())
+        with_arena = chunked_mlp_step(arena, *inputs(device))
+    plain = chunked_mlp_step(Arena(None, device), *inputs(device))
     for a, b in zip(with_arena, plain):
         assert torch.equal(a, b)
-    x, y, w1, w2 = inputs()
+    x, y, w1, w2 = inputs(device)
     w1.requires_grad_(True)
     w2.requires_grad_(True)
     reference = ((x @ w1).relu() @ w2 - y).pow(2).mean()
@@ -100,9 +101,10 @@ def test_a_computation_through_the_arena_equals_plain_allocations_and_autograd(p
     torch.testing.assert_close(with_arena[2], w2.grad, rtol=1e-12, atol=1e-14)
 
 
-def test_views_of_buffers_alive_together_never_overlap(planned):
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_of_buffers_alive_together_never_overlap(planned, device):
     trace, plan = planned
-    arena = Arena(plan, "cpu")
+    arena = Arena(plan, device)
     names = {e.tensor_id: e.name for e in trace.events if e.op == "malloc"}
     views, shared = {}, 0
     for number, event in enumerate(trace.events):

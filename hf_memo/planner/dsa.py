@@ -10,9 +10,10 @@ Before any solver runs, two exact reductions shrink the problem:
   needs no exact solve at all.
 
 Each remaining group is placed by the greedy (best fit, largest first) and, if its peak is above
-what the other groups force anyway, by the exact solver warm-started from the greedy. Every
-solution is checked; a missing solver, a license refusal, a timeout or a failed check falls back to
-the best valid placement found, with a :class:`PlannerWarning` — never an exception.
+what the other groups force anyway, by the exact solver, whose peak is bounded above by the
+greedy's. Every solution is checked, and so is the combined placement; a missing solver, a license
+refusal, a timeout or a failed check falls back to the best valid placement found, with a
+:class:`PlannerWarning` — never an exception.
 """
 
 from __future__ import annotations
@@ -214,13 +215,18 @@ def solve_dsa(
     units = np.array([-(-life.size // alignment) for life in trace.lifetimes], dtype=np.int64)
     if not ids:
         return DSASolution({}, 0, 0, True, solver, time.perf_counter() - began, alignment, "empty trace")
+    lower = max_live(start, end, units) * alignment
     placed = _solve_group(search, start, end, units, 0)
     offsets = {tensor_id: int(offset) * alignment for tensor_id, offset in zip(ids, placed.offsets)}
-    peak = check_placement(trace, offsets, alignment)
-    lower = max_live(start, end, units) * alignment
-    if peak != placed.peak * alignment or peak < lower:
-        raise AssertionError(f"planner bookkeeping is inconsistent: peak {peak}, expected {placed.peak * alignment}")
-    optimal = placed.peak == placed.bound
+    try:
+        peak = check_placement(trace, offsets, alignment)
+    except ValueError as error:
+        search.notes.append(f"the combined placement failed its check ({error}); using the greedy placement")
+        greedy = best_fit_offsets(start, end, units)
+        placed = _Placed(greedy, int((greedy + units).max()), lower // alignment)
+        offsets = {tensor_id: int(offset) * alignment for tensor_id, offset in zip(ids, greedy)}
+        peak = check_placement(trace, offsets, alignment)
+    optimal = peak in (lower, placed.bound * alignment)
     status = "optimal: peak equals the lower bound" if peak == lower else "optimal: proven by the solver"
     if not optimal:
         status = f"feasible: peak {peak / lower:.4f} x lower bound, optimum >= {placed.bound * alignment} bytes"
