@@ -56,7 +56,12 @@ def test_config_is_immutable():
         MemoConfig().mlp_chunks = 3
 
 
-@pytest.mark.parametrize("field,value", [("planner", "cpsat"), ("sequence_parallel_size", 2)])
+@pytest.mark.parametrize("field,value", [("sequence_parallel_size", 2)])
 def test_knobs_of_later_capabilities_refuse_instead_of_being_ignored(field, value):
     with pytest.raises(ValueError, match="not yet supported"):
         MemoConfig(**{field: value})
+
+
+@pytest.mark.parametrize("planner", ["off", "greedy", "cpsat", "mip", "gurobi"])
+def test_every_planner_is_accepted(planner):
+    assert MemoConfig(planner=planner, planner_time_limit=2.5).planner == planner

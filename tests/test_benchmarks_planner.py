@@ -1,0 +1,36 @@
+"""The planner benchmark still runs, on synthetic traces and on trace files (tiny shapes, seconds)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "planner_dsa.py"
+
+
+def test_planner_benchmark_runs_on_synthetic_traces_and_on_trace_files(tmp_path):
+    traces = tmp_path / "traces"
+    run = [sys.executable, str(SCRIPT), "--mip-limit", "1"]
+    subprocess.run(
+        run + ["--tiny", "--save-traces", str(traces), "--out", str(tmp_path)], check=True, capture_output=True
+    )
+    results = json.loads((tmp_path / "planner_dsa.json").read_text())
+    assert set(results["runs"]) == {"tiny-llama S=512", "tiny-llama S=512 ckpt"}
+    for run_result in results["runs"].values():
+        layer = run_result["layer_traces"][0]
+        assert layer["layers"] == [0, 1, 2, 3]  # identical layers are solved once
+        assert layer["planner"]["ratio"] <= layer["greedy"]["ratio"]
+        assert layer["cpsat_alone"]["found"] and layer["mip_alone"]["seconds"] > 0
+        assert run_result["plan"]["peak"] >= run_result["plan"]["lower_bound"]
+        assert run_result["caching_allocator"]["peak_reserved"] >= run_result["caching_allocator"]["peak_requested"]
+    assert "| tiny-llama S=512 ckpt |" in (tmp_path / "planner_dsa.md").read_text()
+
+    saved = sorted(traces.glob("*.jsonl"))
+    assert len(saved) == 2
+    command = [sys.executable, str(SCRIPT), "--mip-limit", "0", "--trace", str(saved[0]), "--out", str(tmp_path)]
+    subprocess.run(command, check=True, capture_output=True)
+    from_file = json.loads((tmp_path / "planner_dsa_traces.json").read_text())
+    assert saved[0].stem == "tiny-llama_S512"
+    assert from_file["runs"]["tiny-llama_S512"]["plan"]["peak"] == results["runs"]["tiny-llama S=512"]["plan"]["peak"]
+    assert "irregular" not in from_file
