@@ -55,7 +55,9 @@ class MemoConfig:
         planner: offline memory planner for buffers hf_memo owns: ``"off"``, ``"greedy"``,
             ``"cpsat"``, ``"mip"`` or ``"gurobi"``.
         planner_time_limit: seconds the planner's solver may take per problem.
-        sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables.
+        sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables. It must
+            divide the world size and the model's query heads, and divide or be a multiple of its KV
+            heads (checked when applied to a model and when training starts).
     """
 
     mlp_chunks: int | str = "auto"
@@ -106,8 +108,6 @@ class MemoConfig:
                 raise ValueError(
                     f"MemoConfig.{name}={getattr(self, name)!r} is not yet supported by this version of hf_memo"
                 )
-        if self.sequence_parallel_size > 1:
-            raise ValueError("MemoConfig.sequence_parallel_size > 1 is not yet supported by this version of hf_memo")
 
     @property
     def host_memory_limit_bytes(self) -> int | None:

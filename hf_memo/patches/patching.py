@@ -8,6 +8,7 @@ from functools import partial
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
+from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import causal_lm_forward, mlp_forward
 from hf_memo.patches.installed import PatchRecord
@@ -37,11 +38,12 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"'{family.model_type}'), got {type(model).__name__}"
         )
     record = PatchRecord()
+    sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
     width = family.intermediate_size(model.config.get_text_config())
     for module in model.modules():
         if isinstance(module, family.mlp):
             record.install_forward(module, partial(mlp_forward, config, width))
-    record.install_forward(model, partial(causal_lm_forward, config, family))
+    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record)
 
 
