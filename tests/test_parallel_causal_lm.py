@@ -7,6 +7,8 @@ Hugging Face on the whole batch. Bad input must fail on every rank, before the s
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,7 +99,10 @@ def _two_rank_worker(rank, world):
     mask = torch.ones_like(ids)
     mask[0, 9:] = 0
     results["eval logits"] = model.eval()(input_ids=ids, attention_mask=mask).logits.detach()
-    results["attention after revert"] = hf_memo.revert(model).config._attn_implementation
+    layer = model.model.layers[0].self_attn
+    results["attention while patched"] = (layer.config._attn_implementation, model.config._attn_implementation)
+    hf_memo.revert(model)
+    results["attention after revert"] = (layer.config is model.config, layer.config._attn_implementation)
 
     def different_batches():
         own_ids, own_labels = make_batch(1, 8, seed=rank)
@@ -207,7 +212,8 @@ def test_evaluation_runs_unsplit_with_its_mask_and_revert_restores_attention(two
     want = build_model("llama").eval()(input_ids=ids, attention_mask=mask).logits
     for results in two_ranks:
         torch.testing.assert_close(results["eval logits"], want)
-        assert results["attention after revert"] == "sdpa"
+        assert results["attention while patched"] == ("hf_memo_ulysses_sp2_sdpa", "sdpa")
+        assert results["attention after revert"] == (True, "sdpa")
 
 
 @pytest.mark.parametrize(
@@ -266,3 +272,22 @@ def test_apply_checks_heads_and_attention_without_a_process_group():
     with pytest.raises(ValueError, match="accepted for this model: 1, 3"):
         hf_memo.apply(model, sequence_parallel_size=2)
     assert hf_memo.applied_config(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_sharing_the_config_keeps_its_own_attention():
+    first = build_model("llama")
+    second = LlamaForCausalLM(first.config).double()
+    hf_memo.apply(first, sequence_parallel_size=2)
+    assert first.config is second.config and second.config._attn_implementation == "sdpa"
+    assert second.model.layers[0].self_attn.config is second.config
+    ids, labels = make_batch(1, 8)
+    second(input_ids=ids, labels=labels).loss.backward()  # unpatched: no process group needed
+
+
+def test_a_patched_model_can_be_deep_copied():
+    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2)
+    twin = copy.deepcopy(model)
+    layer = twin.model.layers[1].self_attn
+    assert layer.config._config is twin.config and layer.config._attn_implementation == "hf_memo_ulysses_sp2_sdpa"
+    ids, _ = make_batch(1, 8)
+    torch.testing.assert_close(twin.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)

@@ -42,14 +42,32 @@ def test_the_token_at_a_shard_border_predicts_the_first_token_of_the_next_shard(
     assert int(second.shift_labels[0, -1]) == -100  # the last token has no next token
 
 
-def test_position_ids_are_global_and_padding_repeats_the_last_position():
+def test_position_ids_are_global_and_padding_continues_them():
     ids, labels = _batch(2, 7)
     shards = _shards({"input_ids": ids}, labels, 4)
     positions = torch.cat([s.arguments["position_ids"] for s in shards], dim=1)
-    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 6]] * 2
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]] * 2
     given = torch.arange(100, 107).unsqueeze(0)
     shards = _shards({"input_ids": ids, "position_ids": given}, labels, 2)
-    assert shards[1].arguments["position_ids"].tolist() == [[104, 105, 106, 106]] * 2
+    assert shards[1].arguments["position_ids"].tolist() == [[104, 105, 106, 107]] * 2
+
+
+def test_padded_positions_stay_in_a_learned_position_table():
+    ids, labels = _batch(1, 7)
+    shards = _shards({"input_ids": ids}, labels, 4, max_positions=8)
+    assert shards[3].arguments["position_ids"].tolist() == [[6, 7]]
+    shards = _shards({"input_ids": ids}, labels, 3, max_positions=8)
+    assert shards[2].arguments["position_ids"].tolist() == [[6, 7, 7]]
+    # positions already past the table (RoPE models run beyond it) are continued, not capped
+    shards = _shards({"input_ids": ids, "position_ids": torch.arange(10, 17).unsqueeze(0)}, labels, 4, max_positions=8)
+    assert shards[3].arguments["position_ids"].tolist() == [[16, 17]]
+
+
+@pytest.mark.parametrize("positions", [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 5, 6]])
+def test_packed_position_ids_are_refused(positions):
+    ids, labels = _batch(1, 6)
+    with pytest.raises(ValueError, match="one sequence per row"):
+        shard_batch({"input_ids": ids, "position_ids": torch.tensor([positions])}, labels, None, 0, 2)
 
 
 def test_shift_labels_given_are_used_instead_of_labels():

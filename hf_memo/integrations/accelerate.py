@@ -23,6 +23,7 @@ LM head run on DeepSpeed's shards (the patched forward honours the ``shift_label
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from accelerate import Accelerator, DistributedType
 from accelerate.data_loader import prepare_data_loader as accelerate_prepare_data_loader
@@ -54,7 +55,7 @@ def prepare_data_loader(
     groups: SequenceParallelGroups,
     data_loader: DataLoader,
     device_placement: bool | None = None,
-    slice_fn_for_dispatch=None,
+    slice_fn_for_dispatch: Callable | None = None,
 ) -> DataLoader:
     """``accelerator.prepare_data_loader``, but split over the data-parallel replicas only.
 

@@ -1,10 +1,11 @@
 """Ulysses attention as a ``transformers`` attention implementation, wrapping ``sdpa`` or flash-attention.
 
-:func:`register_ulysses_attention` adds an entry to ``transformers``' ``AttentionInterface``; a model
-whose ``config._attn_implementation`` names it runs every attention layer through
+:func:`register_ulysses_attention` adds an entry to ``transformers``' ``AttentionInterface``; an
+attention layer whose config (an :class:`AttentionConfigView`) names it runs through
 :func:`ulysses_attention`, whatever its family: the layer's own q/k/v (``(B, h, S / sp, D)``, this
 rank's tokens) are exchanged for the whole sequence of ``h / sp`` heads, the wrapped implementation
-runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``.
+runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``. Outside training the
+wrapped implementation runs directly, with the model's own mask.
 """
 
 from __future__ import annotations
@@ -33,30 +34,39 @@ def check_wrappable(implementation: str | None) -> None:
         )
 
 
-class _ConfigView:
-    """The model config, except that it names the wrapped implementation (flash-attention reads it)."""
+class AttentionConfigView:
+    """A model config seen through one attention module: the same, except for ``_attn_implementation``.
+
+    Sequence parallelism puts one on each attention module, naming Ulysses, so only attention
+    dispatch changes: the model's config, its masks and any other model sharing the config stay as
+    they are. Ulysses hands the wrapped implementation a view naming that implementation (flash-attention
+    reads the name).
+    """
 
     def __init__(self, config: Any, implementation: str) -> None:
         self._config = config
         self._attn_implementation = implementation
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_config":  # copying and pickling look these up before __init__
+            raise AttributeError(name)
         return getattr(self._config, name)
 
 
-class _LocalHeadsView:
-    """An attention module as the wrapped implementation must see it after the exchange.
+class _InnerModuleView:
+    """An attention module as the wrapped implementation must see it: its config names that implementation
+    and, after the exchange, ``num_key_value_groups`` counts this rank's query heads per KV head (KV
+    replication changes it). Everything else is the module's own."""
 
-    Only ``num_key_value_groups`` (query heads per KV head on this rank, which KV replication
-    changes) and the config's implementation name differ; everything else is the module's own.
-    """
-
-    def __init__(self, module: nn.Module, kv_groups: int, implementation: str) -> None:
+    def __init__(self, module: nn.Module, implementation: str, kv_groups: int | None = None) -> None:
         self._module = module
-        self.num_key_value_groups = kv_groups
-        self.config = _ConfigView(module.config, implementation)
+        self.config = AttentionConfigView(module.config, implementation)
+        if kv_groups is not None:
+            self.num_key_value_groups = kv_groups
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_module":
+            raise AttributeError(name)
         return getattr(self._module, name)
 
 
@@ -76,8 +86,9 @@ def ulysses_attention(
     Args:
         module: the attention layer (its ``is_causal``, ``layer_idx``, config, ...).
         query: ``(B, h, S / sp, D)``; key, value: ``(B, kv, S / sp, D)`` for this rank's tokens.
-        attention_mask: must be ``None`` in training (sequence-parallel forwards never build one;
-            right padding is exact without it).
+        attention_mask: ignored in training: the sequence-parallel forward has checked that the batch
+            is causal with right padding at most, so whatever mask the model built for this rank's
+            shard (padding at the end, or none) changes no counted token.
         inner: the wrapped implementation (``"sdpa"`` or a flash-attention one).
         sp_size: the sequence-parallel degree.
         **kwargs: passed to the wrapped implementation (dropout, scaling, sliding_window, ...).
@@ -88,12 +99,7 @@ def ulysses_attention(
     """
     attend = ALL_ATTENTION_FUNCTIONS[inner]
     if not module.training:
-        return attend(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None:
-        raise ValueError(
-            "sequence-parallel attention got an attention mask; hf_memo's sequence-parallel forward never builds "
-            "one (call the patched *ForCausalLM, not its backbone, in training)"
-        )
+        return attend(_InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     if inner == "sdpa" and window is not None and query.shape[2] * sp_size > window:
         raise ValueError(
@@ -105,7 +111,7 @@ def ulysses_attention(
     query = scatter_heads_gather_sequence_differentiable(query, group)
     key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
     value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)
-    view = _LocalHeadsView(module, query.shape[1] // key.shape[1], inner)
+    view = _InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
     output, _ = attend(view, query, key, value, None, **kwargs)  # (B, S, h / sp, D)
     return all_to_all_differentiable(output, group, scatter_dim=1, gather_dim=2), None
 

@@ -13,22 +13,31 @@ gradient.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.lm_head import shifted_targets
-from hf_memo.parallel.attention import check_wrappable, register_ulysses_attention
+from hf_memo.parallel.attention import AttentionConfigView, check_wrappable, register_ulysses_attention
 from hf_memo.parallel.collectives import all_gather_tensor, sum_over_group
 from hf_memo.parallel.groups import SequenceParallelGroups, check_head_counts, sequence_parallel_groups
 from hf_memo.parallel.sharding import batch_fingerprint, shard_batch
 
-_ATTENTION_FIELD = "_attn_implementation_internal"
+
+def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    """The self-attention layers of ``model``: modules named ``*Attention*`` that hold its config and a layer index."""
+    return [
+        module
+        for module in model.modules()
+        if "Attention" in type(module).__name__
+        and getattr(module, "config", None) is model.config
+        and hasattr(module, "layer_idx")
+        and not getattr(module, "is_cross_attention", False)
+    ]
 
 
 class SequenceParallelLM:
@@ -37,21 +46,25 @@ class SequenceParallelLM:
     Attributes:
         size: the sequence-parallel degree.
         inner_attention: the attention implementation Ulysses wraps (the model's own).
-        attention: the ``AttentionInterface`` key of the Ulysses wrapper the model now uses.
+        max_positions: the model's ``max_position_embeddings`` (padding positions stay below it).
+        attention: the ``AttentionInterface`` key of the Ulysses wrapper the attention layers now use.
     """
 
-    def __init__(self, size: int, inner_attention: str, attention: str) -> None:
+    def __init__(self, size: int, inner_attention: str, attention: str, max_positions: int | None) -> None:
         self.size = size
         self.inner_attention = inner_attention
         self.attention = attention
+        self.max_positions = max_positions
 
     @classmethod
     def install(cls, model: PreTrainedModel, config: MemoConfig, record: Any) -> SequenceParallelLM | None:
-        """Switch ``model`` to Ulysses attention when ``config.sequence_parallel_size > 1`` (else ``None``).
+        """Switch ``model``'s attention layers to Ulysses when ``config.sequence_parallel_size > 1`` (else ``None``).
 
-        ``record`` (a :class:`~hf_memo.patches.installed.PatchRecord`) keeps what to restore on revert.
-        Head counts and attention implementation are checked now; the world size too if a process
-        group exists (otherwise at the first training step).
+        Each attention layer gets an :class:`AttentionConfigView` naming the Ulysses wrapper; the
+        model's config is left alone (it may be shared with other models). ``record`` (a
+        :class:`~hf_memo.patches.installed.PatchRecord`) keeps what to restore on revert. Head counts
+        and attention implementation are checked now, the world size too if a process group exists
+        (otherwise at the first training step).
         """
         size = config.sequence_parallel_size
         if size == 1:
@@ -63,23 +76,18 @@ class SequenceParallelLM:
         check_wrappable(inner)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             sequence_parallel_groups(size)
+        layers = attention_modules(model)
+        if not layers:
+            raise ValueError(f"sequence parallelism found no attention layers in {type(model).__name__}")
         attention = register_ulysses_attention(inner, size)
-        record.set(model.config, _ATTENTION_FIELD, attention)
-        return cls(size, inner, attention)
+        for layer in layers:
+            record.set(layer, "config", AttentionConfigView(model.config, attention))
+        return cls(size, inner, attention, getattr(text, "max_position_embeddings", None))
 
     @property
     def groups(self) -> SequenceParallelGroups:
         """This rank's sequence-parallel groups (``ValueError`` without a suitable process group)."""
         return sequence_parallel_groups(self.size)
-
-    @contextlib.contextmanager
-    def unsplit_attention(self, model: PreTrainedModel) -> Iterator[None]:
-        """Within it ``model`` uses its own attention on whole sequences (evaluation, generation)."""
-        setattr(model.config, _ATTENTION_FIELD, self.inner_attention)
-        try:
-            yield
-        finally:
-            setattr(model.config, _ATTENTION_FIELD, self.attention)
 
     def unsplit_forward(self, model: PreTrainedModel, inner: Any, *args: Any, **kwargs: Any) -> Any:
         """A forward that is not a sequence-parallel training step: evaluation, generation, no labels.
@@ -92,8 +100,7 @@ class SequenceParallelLM:
                 f"with MemoConfig.sequence_parallel_size={self.size}, a training forward must compute the loss "
                 "(pass labels, and no logits_to_keep); call model.eval() for other uses"
             )
-        with self.unsplit_attention(model):
-            return inner(*args, **kwargs)
+        return inner(*args, **kwargs)
 
     def shard(self, arguments: dict, extra: dict, labels: torch.Tensor | None) -> tuple[dict, dict[str, Any]]:
         """This rank's shard of the batch, as (model arguments, loss keyword arguments).
@@ -117,7 +124,9 @@ class SequenceParallelLM:
         if shift_labels is None:
             shift_labels = shifted_targets(labels, ignore_index)
         self._check_same_batch(arguments, shift_labels, groups)
-        shard = shard_batch(arguments, labels, shift_labels, groups.sp_rank, self.size, ignore_index)
+        shard = shard_batch(
+            arguments, labels, shift_labels, groups.sp_rank, self.size, ignore_index, self.max_positions
+        )
         local = {**shard.arguments, "use_cache": False}
         num_items = extra.get("num_items_in_batch")
         loss_kwargs = {

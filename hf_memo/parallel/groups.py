@@ -77,10 +77,10 @@ def sequence_parallel_groups(size: int) -> SequenceParallelGroups:
             f"MemoConfig.sequence_parallel_size={size} must divide the world size {world_size} "
             f"(world = data-parallel x sequence-parallel); accepted: {_accepted_divisors(world_size)}"
         )
-    check_not_accelerate_deepspeed_sp(size)
     world = dist.group.WORLD
     cached = _GROUPS.get(size)
     if cached is None or cached[0] is not world:
+        check_not_accelerate_deepspeed_sp(size)
         mine = None
         for replica in range(world_size // size):
             ranks = list(range(replica * size, (replica + 1) * size))

@@ -4,9 +4,12 @@ Every rank of the group holds the same ``(B, S)`` batch and keeps shard ``rank``
 
 - labels are shifted *before* cutting (``shift_labels[:, t]`` is the target of token ``t``), so the
   token at a shard border still predicts the first token of the next shard;
-- ``position_ids`` are those of the whole sequence;
+- ``position_ids`` are those of the whole sequence, one sequence per row (packed rows, whose
+  positions restart, are refused);
 - ``S`` is padded at the end to a multiple of the group size with ignored targets; padding at the
-  end of a causal sequence is never attended to by real tokens, so no attention mask is needed;
+  end of a causal sequence is never attended to by real tokens, so no attention mask is needed.
+  Padded positions continue the row's (so the model sees no new packed sequence), capped at the
+  model's last position when the real ones stay below it (learned position tables);
 - an ``attention_mask`` may only mark right padding (real tokens first), and padded tokens must
   have no target: then dropping the mask leaves every counted token's output unchanged.
 """
@@ -17,11 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from hf_memo.minseq.lm_head import shifted_targets
-
-# Model arguments that carry one entry per token (dimension 1 is the sequence) and are cut into shards.
-SEQUENCE_ARGUMENTS = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -65,15 +66,29 @@ def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor
         )
 
 
-def _pad_sequence(x: torch.Tensor, pad: int, value: float | None) -> torch.Tensor:
-    """Pad dimension 1 of ``x`` by ``pad`` entries: ``value``, or copies of the last entry when ``None``."""
-    if pad == 0:
-        return x
-    if value is None:
-        tail = x[:, -1:].expand(x.shape[0], pad, *x.shape[2:])
-        return torch.cat([x, tail], dim=1)
+def check_one_sequence_per_row(position_ids: torch.Tensor) -> None:
+    """``position_ids`` ``(B, S)`` must count up by one along each row (no packed sequences)."""
+    if bool((position_ids.diff(dim=-1) != 1).any()):
+        raise ValueError(
+            "sequence parallelism needs one sequence per row: position_ids must count up by one, but they restart "
+            "or jump (packed sequences are not supported)"
+        )
+
+
+def _pad_sequence(x: torch.Tensor, pad: int, value: float) -> torch.Tensor:
+    """Pad dimension 1 of ``x`` by ``pad`` entries of ``value``."""
     widths = [0, 0] * (x.dim() - 2) + [0, pad]
-    return F.pad(x, widths, value=value)
+    return F.pad(x, widths, value=value) if pad else x
+
+
+def _pad_positions(position_ids: torch.Tensor, pad: int, max_positions: int | None) -> torch.Tensor:
+    """Continue each row of ``position_ids`` ``(B, S)`` for ``pad`` more tokens (capped, see the module docstring)."""
+    if pad == 0:
+        return position_ids
+    tail = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)
+    if max_positions is not None and not is_fake(tail) and bool((position_ids < max_positions).all()):
+        tail = tail.clamp(max=max_positions - 1)
+    return torch.cat([position_ids, tail], dim=1)
 
 
 def shard_batch(
@@ -83,6 +98,7 @@ def shard_batch(
     sp_rank: int,
     sp_size: int,
     ignore_index: int = -100,
+    max_positions: int | None = None,
 ) -> SequenceShard:
     """Shard ``sp_rank`` of ``sp_size`` of a causal-LM batch.
 
@@ -93,10 +109,14 @@ def shard_batch(
         shift_labels: ``(B, S)`` labels already shifted.
         sp_rank, sp_size: which shard of how many.
         ignore_index: the label of tokens without a target.
+        max_positions: the model's ``max_position_embeddings`` (caps padded positions), or ``None``.
 
     Returns:
-        The :class:`SequenceShard`. Padded tokens get input id 0 (embedding zeros), the last
-        position id repeated, and no target.
+        The :class:`SequenceShard`. Padded tokens get input id 0 (embedding zeros), continued
+        position ids, and no target.
+
+    Raises:
+        ValueError: for packed ``position_ids`` or an ``attention_mask`` that is not right padding.
     """
     sequence = arguments["input_ids"] if arguments.get("input_ids") is not None else arguments["inputs_embeds"]
     batch, length = sequence.shape[:2]
@@ -109,16 +129,18 @@ def shard_batch(
     position_ids = arguments.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(length, device=sequence.device).unsqueeze(0)
+    elif not is_fake(position_ids):
+        check_one_sequence_per_row(position_ids)
     local = {name: value for name, value in arguments.items() if name != "attention_mask"}
-    local["position_ids"] = position_ids.expand(batch, length)
 
     pad = -length % sp_size
     shard_length = (length + pad) // sp_size
     start, stop = sp_rank * shard_length, (sp_rank + 1) * shard_length
-    pad_values = {"input_ids": 0, "inputs_embeds": 0.0, "position_ids": None, "token_type_ids": 0}
-    for name in SEQUENCE_ARGUMENTS:
+    local["position_ids"] = _pad_positions(position_ids.expand(batch, length), pad, max_positions)[:, start:stop]
+    pad_values = {"input_ids": 0, "inputs_embeds": 0.0, "token_type_ids": 0}
+    for name, value in pad_values.items():
         if local.get(name) is not None:
-            local[name] = _pad_sequence(local[name], pad, pad_values[name])[:, start:stop]
+            local[name] = _pad_sequence(local[name], pad, value)[:, start:stop]
     shard_labels = _pad_sequence(shift_labels, pad, ignore_index)[:, start:stop]
     return SequenceShard(local, shard_labels, (shift_labels != ignore_index).sum(), length + pad)
 
