@@ -1,5 +1,6 @@
 """Accelerate integration: data loaders per replica, DDP training equal to one process, `accelerate launch`
-of the 2-process CPU config running Trainer steps, the launch configs, and errors before any step."""
+of the 2-process CPU config running Trainer steps, the launch configs, and errors before any step.
+(Training over several replicas x sequence-parallel ranks under DDP is tested in test_parallel_causal_lm.py.)"""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import pytest
 import torch
 from accelerate import Accelerator, DistributedType
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.state import AcceleratorState
 from accelerate.utils import ParallelismConfig
 from accelerate.utils.launch import prepare_deepspeed_cmd_env
 from torch.utils.data import DataLoader
 
 import hf_memo
-from hf_memo.integrations.accelerate import attach
+from hf_memo.integrations.accelerate import attach, prepare_data_loader
+from hf_memo.parallel.groups import SequenceParallelGroups
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.multiprocess import run_processes
 
@@ -37,7 +40,7 @@ def _accelerate_worker(rank, world):
     # The process group exists already; these let Accelerate see a CPU run of `world` processes.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     accelerator = Accelerator(cpu=True)
-    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2, mlp_chunks=2)
+    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=world, mlp_chunks=2)
     groups = attach(accelerator, model)
     loader = DataLoader(_dataset(), batch_size=1, shuffle=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -54,23 +57,20 @@ def _accelerate_worker(rank, world):
     return {"layout": (groups.sp_rank, groups.dp_rank, groups.dp_size), "seen": seen, "weights": weights}
 
 
-def test_accelerator_with_ddp_trains_like_one_process_on_the_replicas_batches():
-    """Four processes = 2 replicas x sequence-parallel 2: ranks of a replica get the same batches, replicas
-    different ones, and DDP-averaged training equals one process averaging the replicas' gradients."""
-    per_rank = run_processes(_accelerate_worker, 4)
-    assert [r["layout"] for r in per_rank] == [(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)]
-    for first, second in ((0, 1), (2, 3)):
-        assert all(torch.equal(a, b) for a, b in zip(per_rank[first]["seen"], per_rank[second]["seen"]))
-    assert not any(torch.equal(a, b) for a, b in zip(per_rank[0]["seen"], per_rank[2]["seen"]))
+def test_accelerator_with_ddp_trains_like_one_process():
+    """Two processes, one sequence split over both: they get the same batches from the prepared loader,
+    and training through Accelerate's DDP equals one unpatched process on those batches."""
+    per_rank = run_processes(_accelerate_worker, 2)
+    assert [r["layout"] for r in per_rank] == [(0, 0, 1), (1, 0, 1)]
+    assert len(per_rank[0]["seen"]) == STEPS
+    assert all(torch.equal(a, b) for a, b in zip(per_rank[0]["seen"], per_rank[1]["seen"]))
 
     by_ids = {tuple(sample["input_ids"].tolist()): sample["labels"] for sample in _dataset()}
     reference = build_model("llama")
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        for replica_rank in (0, 2):
-            ids = per_rank[replica_rank]["seen"][step]
-            labels = by_ids[tuple(ids[0].tolist())].unsqueeze(0)
-            (reference(input_ids=ids, labels=labels).loss / 2).backward()
+    for ids in per_rank[0]["seen"]:
+        labels = by_ids[tuple(ids[0].tolist())].unsqueeze(0)
+        reference(input_ids=ids, labels=labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     for rank, results in enumerate(per_rank):
@@ -78,6 +78,24 @@ def test_accelerator_with_ddp_trains_like_one_process_on_the_replicas_batches():
             torch.testing.assert_close(
                 results["weights"][name], param.detach(), msg=lambda m, r=rank, n=name: f"rank {r}, {n}: {m}"
             )
+
+
+@pytest.fixture
+def cpu_accelerator():
+    accelerator = Accelerator(cpu=True)
+    yield accelerator
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_data_loaders_are_split_over_replicas_and_shared_within_one(cpu_accelerator):
+    def batches(sp_rank: int, dp_rank: int) -> list[int]:
+        groups = SequenceParallelGroups(None, sp_size=2, sp_rank=sp_rank, dp_size=3, dp_rank=dp_rank)
+        loader = prepare_data_loader(cpu_accelerator, groups, DataLoader(list(range(12)), batch_size=2))
+        return [int(x) for batch in loader for x in batch]
+
+    replicas = [batches(0, dp_rank) for dp_rank in range(3)]
+    assert all(batches(1, dp_rank) == replicas[dp_rank] for dp_rank in range(3))
+    assert sorted(sum(replicas, [])) == list(range(12)) and all(len(r) == 4 for r in replicas)
 
 
 def _free_port() -> int:

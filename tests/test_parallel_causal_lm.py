@@ -3,11 +3,14 @@
 Every case compares the loss on every rank and every parameter gradient, after the data-parallel
 average over the world that DDP applies (or with the model actually wrapped in DDP), with plain
 Hugging Face on the whole batch. Bad input must fail on every rank, before the step does anything.
+Each process group is started once per test (starting one costs seconds), and a test reports every
+failing case, not just the first.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -21,23 +24,63 @@ from tests.multiprocess import run_processes
 
 CHUNKS = dict(mlp_chunks=2, lm_head_chunks=3)
 
-# name -> (family, config overrides, batch, seq, fraction of masked labels)
-TWO_RANK_CASES = {
-    "llama, 1 KV head < sp (replicated)": ("llama", {"num_key_value_heads": 1}, 2, 16, 0.3),
-    "llama, 2 KV heads = sp, S padded": ("llama", {}, 2, 13, 0.3),
-    "llama, 4 KV heads > sp": ("llama", {"num_key_value_heads": 4}, 1, 16, 0.3),
-    "mistral": ("mistral", {}, 2, 10, 0.3),
-    "qwen2": ("qwen2", {}, 1, 11, 0.3),
-    "qwen3": ("qwen3", {}, 2, 12, 0.3),
-    "gpt2, S padded": ("gpt2", {}, 2, 15, 0.3),
-    "llama, most labels masked": ("llama", {}, 3, 9, 0.8),
-}
-FOUR_RANK_CASES = {
-    "sp=4, llama, 2 KV heads (replicated), S padded": ("llama", {}, 2, 18, 0.3),
-    "sp=4, gpt2": ("gpt2", {}, 1, 16, 0.3),
-    "sp=4, qwen3, 4 KV heads": ("qwen3", {"num_key_value_heads": 4}, 2, 8, 0.3),
-    "sp=4, S=3 shorter than sp": ("mistral", {}, 2, 3, 0.0),
-}
+
+@dataclass
+class Case:
+    """One training step to run sequence-parallel and compare with the unpatched model."""
+
+    family: str
+    ids: torch.Tensor
+    labels: torch.Tensor
+    overrides: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)
+    ddp: bool = False
+    checkpointing: bool = False
+
+
+def _batch_case(family, batch, seq, masked=0.3, **overrides):
+    return Case(family, *make_batch(batch, seq, masked), overrides=overrides)
+
+
+def two_rank_cases() -> dict[str, Case]:
+    fully_masked = make_batch(2, 16, 0.2)
+    fully_masked[1][:, 8:] = -100  # rank 1's shard (tokens 8..15) has no target at all
+    padded_ids, padded_labels = make_batch(2, 12, 0.2)
+    mask = torch.ones_like(padded_ids)
+    mask[1, 8:] = 0
+    padded_labels[1, 8:] = -100
+    ids, labels = make_batch(2, 14)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shift[0, 3] = 5  # differs from shifting `labels`: using them is observable
+    return {
+        "llama, 1 KV head < sp (replicated)": _batch_case("llama", 2, 16, num_key_value_heads=1),
+        "llama, 2 KV heads = sp, S padded": _batch_case("llama", 2, 13),
+        "llama, 4 KV heads > sp": _batch_case("llama", 1, 16, num_key_value_heads=4),
+        "mistral": _batch_case("mistral", 2, 10),
+        "qwen2": _batch_case("qwen2", 1, 11),
+        "qwen3": _batch_case("qwen3", 2, 12),
+        "gpt2, S padded": _batch_case("gpt2", 2, 15),
+        "llama, most labels masked": _batch_case("llama", 3, 9, 0.8),
+        "rank 1's shard fully masked": Case("llama", *fully_masked),
+        "right padding with attention_mask": Case("llama", padded_ids, padded_labels, kwargs={"attention_mask": mask}),
+        "shift_labels given": Case("qwen2", ids, labels, kwargs={"shift_labels": shift}),
+        "num_items_in_batch given": Case("llama", ids, labels, kwargs={"num_items_in_batch": torch.tensor(40)}),
+        "HF gradient checkpointing": Case("llama", ids, labels, checkpointing=True),
+        "wrapped in DDP": Case("gpt2", ids, labels, ddp=True),
+    }
+
+
+def four_rank_cases() -> dict[str, Case]:
+    return {
+        "sp=4, llama, 2 KV heads (replicated), S padded": _batch_case("llama", 2, 18),
+        "sp=4, gpt2": _batch_case("gpt2", 1, 16),
+        "sp=4, qwen3, 4 KV heads": _batch_case("qwen3", 2, 8, num_key_value_heads=4),
+        "sp=4, S=3 shorter than sp": _batch_case("mistral", 2, 3, 0.0),
+    }
+
+
+def _replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(2, 11, seed=10 + replica)
 
 
 def _averaged_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -50,15 +93,15 @@ def _averaged_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _sp_step(family, overrides, sp, ids, labels, wrap_ddp=False, checkpointing=False, **kwargs):
-    model = build_model(family, **overrides)
-    if checkpointing:
+def _sp_step(case: Case, sp: int) -> dict:
+    model = build_model(case.family, **case.overrides)
+    if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS)
-    runner = DistributedDataParallel(model) if wrap_ddp else model
-    loss = runner(input_ids=ids, labels=labels, **kwargs).loss
+    runner = DistributedDataParallel(model) if case.ddp else model
+    loss = runner(input_ids=case.ids, labels=case.labels, **case.kwargs).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()} if wrap_ddp else _averaged_grads(model)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()} if case.ddp else _averaged_grads(model)
     return {"loss": loss.detach(), "grads": grads}
 
 
@@ -71,28 +114,7 @@ def _expect_error(action) -> str:
 
 
 def _two_rank_worker(rank, world):
-    results = {}
-    for name, (family, overrides, batch, seq, masked) in TWO_RANK_CASES.items():
-        ids, labels = make_batch(batch, seq, masked)
-        results[name] = _sp_step(family, overrides, 2, ids, labels)
-
-    ids, labels = make_batch(2, 16, 0.2)
-    labels[:, 8:] = -100  # rank 1's shard (tokens 8..15) has no target at all
-    results["rank 1's shard fully masked"] = _sp_step("llama", {}, 2, ids, labels)
-
-    ids, labels = make_batch(2, 12, 0.2)
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0
-    labels[1, 8:] = -100
-    results["right padding with attention_mask"] = _sp_step("llama", {}, 2, ids, labels, attention_mask=mask)
-
-    ids, labels = make_batch(2, 14)
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-    shift[0, 3] = 5
-    results["shift_labels given"] = _sp_step("qwen2", {}, 2, ids, labels, shift_labels=shift)
-    results["num_items_in_batch given"] = _sp_step("llama", {}, 2, ids, labels, num_items_in_batch=torch.tensor(40))
-    results["HF gradient checkpointing"] = _sp_step("llama", {}, 2, ids, labels, checkpointing=True)
-    results["wrapped in DDP"] = _sp_step("gpt2", {}, 2, ids, labels, wrap_ddp=True)
+    results = {name: _sp_step(case, 2) for name, case in two_rank_cases().items()}
 
     model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2, **CHUNKS)
     ids, labels = make_batch(2, 12)
@@ -108,14 +130,10 @@ def _two_rank_worker(rank, world):
         own_ids, own_labels = make_batch(1, 8, seed=rank)
         hf_memo.apply(build_model("llama"), sequence_parallel_size=2)(input_ids=own_ids, labels=own_labels)
 
+    three_heads = dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
     results["errors"] = {
         "world size": _expect_error(lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=4)),
-        "heads": _expect_error(
-            lambda: hf_memo.apply(
-                build_model("llama", hidden_size=24, num_attention_heads=3, num_key_value_heads=3),
-                sequence_parallel_size=2,
-            )
-        ),
+        "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **three_heads), sequence_parallel_size=2)),
         "eager attention": _expect_error(
             lambda: hf_memo.apply(build_model("llama", attn_implementation="eager"), sequence_parallel_size=2)
         ),
@@ -128,132 +146,85 @@ def _two_rank_worker(rank, world):
 
 
 def _four_rank_worker(rank, world):
-    results = {}
-    for name, (family, overrides, batch, seq, masked) in FOUR_RANK_CASES.items():
-        ids, labels = make_batch(batch, seq, masked)
-        results[name] = _sp_step(family, overrides, 4, ids, labels)
-    replica = rank // 2  # ranks 0, 1 train on one batch, ranks 2, 3 on another
-    ids, labels = make_batch(2, 11, seed=10 + replica)
-    results["2 replicas x sp=2, DDP"] = _sp_step("llama", {"num_key_value_heads": 1}, 2, ids, labels, wrap_ddp=True)
+    results = {name: _sp_step(case, 4) for name, case in four_rank_cases().items()}
+    ids, labels = _replica_batch(rank // 2)  # ranks 0, 1 train on one batch, ranks 2, 3 on another
+    replicas = Case("llama", ids, labels, overrides={"num_key_value_heads": 1}, ddp=True)
+    results["2 replicas x sp=2, DDP"] = _sp_step(replicas, 2)
     return results
 
 
-def _reference(family, overrides, ids, labels, **kwargs):
-    model = build_model(family, **overrides)
-    out = model(input_ids=ids, labels=labels, **kwargs)
+def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = build_model(case.family, **case.overrides)
+    out = model(input_ids=case.ids, labels=case.labels, **case.kwargs)
     out.loss.backward()
     return model, out.loss.detach()
 
 
-def _check(case, per_rank, family, overrides, ids, labels, **kwargs):
-    reference, loss = _reference(family, overrides, ids, labels, **kwargs)
-    for rank, results in enumerate(per_rank):
-        got = results[case]
-        assert torch.isfinite(got["loss"]), f"{case}: rank {rank} loss is {got['loss']}"
-        torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=0, msg=lambda m, r=rank: f"{case}, rank {r}: {m}")
-    model = build_model(family, **overrides)
-    for name, param in model.named_parameters():
-        param.grad = per_rank[0][case]["grads"][name]
-        for rank, results in enumerate(per_rank[1:], start=1):
-            torch.testing.assert_close(
-                results[case]["grads"][name], param.grad, msg=lambda m, r=rank, n=name: f"{case}, rank {r}, {n}: {m}"
-            )
+def _compare(name: str, got: dict, want_loss: torch.Tensor, want_grads: dict, family: str, overrides: dict) -> None:
+    assert torch.isfinite(got["loss"]), f"loss is {got['loss']}"
+    torch.testing.assert_close(got["loss"], want_loss, rtol=1e-6, atol=0)
+    model, reference = build_model(family, **overrides), build_model(family, **overrides)
+    for (param_name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        param.grad, ref.grad = got["grads"][param_name], want_grads[param_name]
     assert_same_grads(model, reference)
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_processes(_two_rank_worker, 2)
+def _failures(per_rank: list[dict], cases: dict[str, Case]) -> list[str]:
+    """Every (case, rank) whose loss or gradients differ from the unpatched model's, with the reason."""
+    failures = []
+    for name, case in cases.items():
+        reference, loss = _reference(case)
+        grads = {n: p.grad for n, p in reference.named_parameters()}
+        for rank, results in enumerate(per_rank):
+            try:
+                _compare(name, results[name], loss, grads, case.family, case.overrides)
+            except AssertionError as error:
+                failures.append(f"{name}, rank {rank}: {error}")
+    return failures
 
 
-@pytest.fixture(scope="module")
-def four_ranks():
-    return run_processes(_four_rank_worker, 4)
+def test_two_ranks_match_single_process_and_refuse_bad_input_on_every_rank():
+    per_rank = run_processes(_two_rank_worker, 2)
+    failures = _failures(per_rank, two_rank_cases())
 
-
-@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
-def test_two_ranks_match_single_process(two_ranks, case):
-    family, overrides, batch, seq, masked = TWO_RANK_CASES[case]
-    _check(case, two_ranks, family, overrides, *make_batch(batch, seq, masked))
-
-
-def test_a_shard_without_targets_adds_nothing_and_no_nan(two_ranks):
-    ids, labels = make_batch(2, 16, 0.2)
-    labels[:, 8:] = -100
-    _check("rank 1's shard fully masked", two_ranks, "llama", {}, ids, labels)
-
-
-def test_right_padding_mask_is_exact(two_ranks):
-    ids, labels = make_batch(2, 12, 0.2)
-    mask = torch.ones_like(ids)
-    mask[1, 8:] = 0
-    labels[1, 8:] = -100
-    _check("right padding with attention_mask", two_ranks, "llama", {}, ids, labels, attention_mask=mask)
-
-
-def test_shift_labels_and_num_items_in_batch_are_honoured(two_ranks):
-    ids, labels = make_batch(2, 14)
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-    shift[0, 3] = 5
-    _check("shift_labels given", two_ranks, "qwen2", {}, ids, labels, shift_labels=shift)
-    _check("num_items_in_batch given", two_ranks, "llama", {}, ids, labels, num_items_in_batch=torch.tensor(40))
-
-
-def test_hf_gradient_checkpointing_and_ddp(two_ranks):
-    ids, labels = make_batch(2, 14)
-    _check("HF gradient checkpointing", two_ranks, "llama", {}, ids, labels)
-    _check("wrapped in DDP", two_ranks, "gpt2", {}, ids, labels)
-
-
-def test_evaluation_runs_unsplit_with_its_mask_and_revert_restores_attention(two_ranks):
     ids, _ = make_batch(2, 12)
     mask = torch.ones_like(ids)
     mask[0, 9:] = 0
     want = build_model("llama").eval()(input_ids=ids, attention_mask=mask).logits
-    for results in two_ranks:
-        torch.testing.assert_close(results["eval logits"], want)
-        assert results["attention while patched"] == ("hf_memo_ulysses_sp2_sdpa", "sdpa")
-        assert results["attention after revert"] == (True, "sdpa")
+    expected_errors = {
+        "world size": "MemoConfig.sequence_parallel_size=4 must divide the world size 2",
+        "heads": "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3",
+        "eager attention": "attn_implementation to be one of sdpa, flash_attention_2",
+        "different batches": "ranks of a sequence-parallel group must get the same batch",
+        "training without labels": "a training forward must compute the loss",
+    }
+    for rank, results in enumerate(per_rank):
+        if not torch.allclose(results["eval logits"], want):
+            failures.append(f"rank {rank}: evaluation (unsplit, with the padding mask) differs from unpatched")
+        if results["attention while patched"] != ("hf_memo_ulysses_sp2_sdpa", "sdpa"):
+            failures.append(f"rank {rank}: attention while patched is {results['attention while patched']}")
+        if results["attention after revert"] != (True, "sdpa"):
+            failures.append(f"rank {rank}: attention after revert is {results['attention after revert']}")
+        for error, expected in expected_errors.items():
+            if expected not in results["errors"][error]:
+                failures.append(f"rank {rank}, {error}: expected {expected!r}, got {results['errors'][error]!r}")
+    assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize(
-    "error,expected",
-    [
-        ("world size", "MemoConfig.sequence_parallel_size=4 must divide the world size 2"),
-        ("heads", "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3"),
-        ("eager attention", "attn_implementation to be one of sdpa, flash_attention_2"),
-        ("different batches", "ranks of a sequence-parallel group must get the same batch"),
-        ("training without labels", "a training forward must compute the loss"),
-    ],
-)
-def test_bad_input_fails_on_every_rank(two_ranks, error, expected):
-    for rank, results in enumerate(two_ranks):
-        assert expected in results["errors"][error], f"rank {rank}: {results['errors'][error]}"
+def test_four_ranks_match_single_process_and_replicas_average_under_ddp():
+    per_rank = run_processes(_four_rank_worker, 4)
+    failures = _failures(per_rank, four_rank_cases())
 
-
-@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
-def test_four_ranks_match_single_process(four_ranks, case):
-    family, overrides, batch, seq, masked = FOUR_RANK_CASES[case]
-    _check(case, four_ranks, family, overrides, *make_batch(batch, seq, masked))
-
-
-def test_two_replicas_of_two_ranks_under_ddp_average_the_replicas(four_ranks):
-    case = "2 replicas x sp=2, DDP"
-    references = []
-    for replica in (0, 1):
-        ids, labels = make_batch(2, 11, seed=10 + replica)
-        references.append(_reference("llama", {"num_key_value_heads": 1}, ids, labels))
-    for rank, results in enumerate(four_ranks):
-        torch.testing.assert_close(results[case]["loss"], references[rank // 2][1], rtol=1e-6, atol=0)
-    model = build_model("llama", num_key_value_heads=1)
-    replica_grads = [dict(reference.named_parameters()) for reference, _ in references]
-    for name, param in model.named_parameters():
-        param.grad = (replica_grads[0][name].grad + replica_grads[1][name].grad) / 2
-    for results in four_ranks:
-        got = build_model("llama", num_key_value_heads=1)
-        for name, param in got.named_parameters():
-            param.grad = results[case]["grads"][name]
-        assert_same_grads(got, model)
+    references = [_reference(Case("llama", *_replica_batch(r), overrides={"num_key_value_heads": 1})) for r in (0, 1)]
+    replica_grads = [{n: p.grad for n, p in model.named_parameters()} for model, _ in references]
+    averaged = {name: (replica_grads[0][name] + replica_grads[1][name]) / 2 for name in replica_grads[0]}
+    for rank, results in enumerate(per_rank):
+        try:
+            got = results["2 replicas x sp=2, DDP"]
+            _compare("replicas", got, references[rank // 2][1], averaged, "llama", {"num_key_value_heads": 1})
+        except AssertionError as error:
+            failures.append(f"2 replicas x sp=2 under DDP, rank {rank}: {error}")
+    assert not failures, "\n".join(failures)
 
 
 def test_without_a_process_group_training_fails_before_the_step():
