@@ -32,7 +32,14 @@ def run_processes(worker: Callable, world_size: int, *args: Any) -> list[Any]:
     on ports) and its return value must be picklable by ``torch.save``. An exception in any process
     fails the call with that process's traceback.
     """
-    with tempfile.TemporaryDirectory() as folder:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_entry, args=(worker, world_size, folder, args), nprocs=world_size, join=True)
-        return [torch.load(Path(folder) / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the children's; 2 cores shared by several processes
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            mp.spawn(_entry, args=(worker, world_size, folder, args), nprocs=world_size, join=True)
+            return [torch.load(Path(folder) / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)]
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads

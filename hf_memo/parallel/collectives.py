@@ -80,5 +80,6 @@ def all_gather_tensor(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     """``(n, *x.shape)``: ``x`` from every rank of ``group``, in rank order (no autograd)."""
     size = dist.get_world_size(group)
     gathered = x.new_empty(size * x.numel())
-    dist.all_gather_single(gathered, x.contiguous().view(-1), group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(gathered, x.contiguous().view(-1), group=group)
     return gathered.view(size, *x.shape)
