@@ -11,11 +11,6 @@ from hf_memo.units import parse_bytes
 RECOMPUTE_MODES = ("none", "full", "selective", "memo")
 PLANNERS = ("off", "greedy", "cpsat", "mip", "gurobi")
 
-# Knobs whose capability has not landed yet: asking for them is an error, never silently ignored.
-_NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
-}
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -53,7 +48,9 @@ class MemoConfig:
         planner: offline memory planner for buffers hf_memo owns: ``"off"``, ``"greedy"``,
             ``"cpsat"``, ``"mip"`` or ``"gurobi"``.
         planner_time_limit: seconds the planner's solver may take per problem.
-        sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables.
+        sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables. It must
+            divide the world size and the model's query heads, and divide or be a multiple of its KV
+            heads (checked when applied to a model and when training starts).
     """
 
     mlp_chunks: int | str = "auto"
@@ -99,13 +96,6 @@ class MemoConfig:
             raise _bad("planner_time_limit", "a number of seconds > 0", self.planner_time_limit)
         if not (_is_int(self.sequence_parallel_size) and self.sequence_parallel_size >= 1):
             raise _bad("sequence_parallel_size", "an int >= 1", self.sequence_parallel_size)
-        for name, unsupported in _NOT_YET_SUPPORTED.items():
-            if getattr(self, name) in unsupported:
-                raise ValueError(
-                    f"MemoConfig.{name}={getattr(self, name)!r} is not yet supported by this version of hf_memo"
-                )
-        if self.sequence_parallel_size > 1:
-            raise ValueError("MemoConfig.sequence_parallel_size > 1 is not yet supported by this version of hf_memo")
 
     @property
     def host_memory_limit_bytes(self) -> int | None:

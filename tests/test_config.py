@@ -56,12 +56,17 @@ def test_config_is_immutable():
         MemoConfig().mlp_chunks = 3
 
 
-@pytest.mark.parametrize("field,value", [("sequence_parallel_size", 2)])
-def test_knobs_of_later_capabilities_refuse_instead_of_being_ignored(field, value):
-    with pytest.raises(ValueError, match="not yet supported"):
-        MemoConfig(**{field: value})
-
-
 @pytest.mark.parametrize("planner", ["off", "greedy", "cpsat", "mip", "gurobi"])
 def test_every_planner_is_accepted(planner):
     assert MemoConfig(planner=planner, planner_time_limit=2.5).planner == planner
+
+
+@pytest.mark.parametrize("size", [1, 2, 8])
+def test_sequence_parallel_size_accepts_any_positive_int(size):
+    assert MemoConfig(sequence_parallel_size=size).sequence_parallel_size == size
+
+
+@pytest.mark.parametrize("value", [-2, 1.0, "2", True])
+def test_sequence_parallel_size_refuses_non_positive_or_non_int(value):
+    with pytest.raises(ValueError, match=r"MemoConfig.sequence_parallel_size must be an int >= 1, got"):
+        MemoConfig(sequence_parallel_size=value)

@@ -21,6 +21,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
+from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.memo import MemoRuntime
@@ -43,7 +44,13 @@ def _keeps_all_logits(logits_to_keep: Any) -> bool:
 
 
 def causal_lm_forward(
-    config: MemoConfig, family: Family, model: PreTrainedModel, inner: Callable, *args: Any, **kwargs: Any
+    config: MemoConfig,
+    family: Family,
+    sequence_parallel: SequenceParallelLM | None,
+    model: PreTrainedModel,
+    inner: Callable,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """``*ForCausalLM.forward`` whose training loss runs the LM head in mini-sequences.
 
@@ -51,6 +58,8 @@ def causal_lm_forward(
     loss is computed from the ``(B, S, H)`` hidden states without building ``(B, S, V)`` logits;
     ``logits`` is ``None`` in the output. Everything else (evaluation,
     ``generate()``, calls without labels) goes to the original forward unchanged.
+    With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the sequence
+    and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
     """
     signature = inspect.signature(inner)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
@@ -59,7 +68,11 @@ def causal_lm_forward(
     labels = arguments.pop("labels", None)
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     if not model.training or labels is None or not _keeps_all_logits(logits_to_keep):
+        if sequence_parallel is not None:
+            return sequence_parallel.unsplit_forward(model, inner, *args, **kwargs)
         return inner(*args, **kwargs)
+    if sequence_parallel is not None:
+        arguments, extra = sequence_parallel.shard(arguments, extra, labels)
 
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
@@ -81,6 +94,8 @@ def causal_lm_forward(
         num_items_in_batch=extra.get("num_items_in_batch"),
         shift_labels=extra.get("shift_labels"),
     )
+    if sequence_parallel is not None:
+        loss = sequence_parallel.reduce_loss(loss)
     passthrough = {f.name for f in dataclasses.fields(family.output_class)} - {"loss", "logits"}
     result = family.output_class(loss=loss, **{name: outputs.get(name) for name in passthrough})
     return result if return_dict else result.to_tuple()

@@ -8,6 +8,7 @@ from functools import partial
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
+from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     causal_lm_forward,
@@ -47,6 +48,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     if config.recompute != "none" and model.is_gradient_checkpointing:
         raise ValueError(hf_checkpointing_conflict(config))
     record = PatchRecord()
+    sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
     layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
     runtime = MemoRuntime(config, len(layers)) if config.recompute == "memo" else None
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
@@ -59,7 +61,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             record.install_forward(layer, partial(memo_layer_forward, config, family, runtime, index))
         elif config.recompute in ("full", "selective"):
             record.install_forward(layer, partial(checkpointed_layer_forward, config))
-    record.install_forward(model, partial(causal_lm_forward, config, family))
+    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
 

@@ -1,0 +1,130 @@
+"""Ulysses attention as a ``transformers`` attention implementation, wrapping ``sdpa`` or flash-attention.
+
+:func:`register_ulysses_attention` adds an entry to ``transformers``' ``AttentionInterface``; an
+attention layer whose config (an :class:`AttentionConfigView`) names it runs through
+:func:`ulysses_attention`, whatever its family: the layer's own q/k/v (``(B, h, S / sp, D)``, this
+rank's tokens) are exchanged for the whole sequence of ``h / sp`` heads, the wrapped implementation
+runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``. Outside training the
+wrapped implementation runs directly, with the model's own mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_memo.parallel.collectives import all_to_all_differentiable
+from hf_memo.parallel.groups import sequence_parallel_groups
+from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
+
+WRAPPABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def check_wrappable(implementation: str | None) -> None:
+    """Ulysses needs an attention that is causal without a mask (``sdpa``, flash-attention); ``ValueError`` if not."""
+    if implementation not in WRAPPABLE:
+        raise ValueError(
+            f"sequence parallelism needs the model's attn_implementation to be one of {', '.join(WRAPPABLE)}, "
+            f"got {implementation!r} (load the model with attn_implementation='sdpa')"
+        )
+
+
+class AttentionConfigView:
+    """A model config seen through one attention module: the same, except for ``_attn_implementation``.
+
+    Sequence parallelism puts one on each attention module, naming Ulysses, so only attention
+    dispatch changes: the model's config, its masks and any other model sharing the config stay as
+    they are. Ulysses hands the wrapped implementation a view naming that implementation (flash-attention
+    reads the name).
+    """
+
+    def __init__(self, config: Any, implementation: str) -> None:
+        self._config = config
+        self._attn_implementation = implementation
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_config":  # copying and pickling look these up before __init__
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+
+class _InnerModuleView:
+    """An attention module as the wrapped implementation must see it: its config names that implementation
+    and, after the exchange, ``num_key_value_groups`` counts this rank's query heads per KV head (KV
+    replication changes it). Everything else is the module's own."""
+
+    def __init__(self, module: nn.Module, implementation: str, kv_groups: int | None = None) -> None:
+        self._module = module
+        self.config = AttentionConfigView(module.config, implementation)
+        if kv_groups is not None:
+            self.num_key_value_groups = kv_groups
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_module":
+            raise AttributeError(name)
+        return getattr(self._module, name)
+
+
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    inner: str,
+    sp_size: int,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of this rank's tokens against the whole sequence, via two all-to-alls.
+
+    Args:
+        module: the attention layer (its ``is_causal``, ``layer_idx``, config, ...).
+        query: ``(B, h, S / sp, D)``; key, value: ``(B, kv, S / sp, D)`` for this rank's tokens.
+        attention_mask: ignored in training: the sequence-parallel forward has checked that the batch
+            is causal with right padding at most, so whatever mask the model built for this rank's
+            shard (padding at the end, or none) changes no counted token.
+        inner: the wrapped implementation (``"sdpa"`` or a flash-attention one).
+        sp_size: the sequence-parallel degree.
+        **kwargs: passed to the wrapped implementation (dropout, scaling, sliding_window, ...).
+
+    Returns:
+        ``((B, S / sp, h, D), None)``, as every ``transformers`` attention implementation returns.
+        Outside training the wrapped implementation runs unsplit.
+    """
+    attend = ALL_ATTENTION_FUNCTIONS[inner]
+    if not module.training:
+        return attend(_InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if inner == "sdpa" and window is not None and query.shape[2] * sp_size > window:
+        raise ValueError(
+            f"sliding-window attention (window {window}) over {query.shape[2] * sp_size} tokens needs a mask, which "
+            "sequence-parallel sdpa cannot build: use attn_implementation='flash_attention_2' or shorter sequences"
+        )
+    kwargs.pop("position_ids", None)  # this rank's positions; after the exchange the sequence is whole and causal
+    group = sequence_parallel_groups(sp_size).group
+    query = scatter_heads_gather_sequence_differentiable(query, group)
+    key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
+    value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)
+    view = _InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
+    output, _ = attend(view, query, key, value, None, **kwargs)  # (B, S, h / sp, D)
+    return all_to_all_differentiable(output, group, scatter_dim=1, gather_dim=2), None
+
+
+def ulysses_attention_name(inner: str, sp_size: int) -> str:
+    """The ``AttentionInterface`` key of Ulysses over ``sp_size`` ranks wrapping ``inner``."""
+    return f"hf_memo_ulysses_sp{sp_size}_{inner.replace('flash_attention_', 'fa')}"
+
+
+@functools.cache
+def register_ulysses_attention(inner: str, sp_size: int) -> str:
+    """Register Ulysses attention wrapping ``inner`` for degree ``sp_size`` (once); return its key."""
+    check_wrappable(inner)
+    name = ulysses_attention_name(inner, sp_size)
+    AttentionInterface.register(name, functools.partial(ulysses_attention, inner=inner, sp_size=sp_size))
+    return name

@@ -1,0 +1,264 @@
+"""Sequence-parallel training on 2 and 4 CPU processes against the single-process unpatched model.
+
+Every case compares the loss on every rank and every parameter gradient, after the data-parallel
+average over the world that DDP applies (or with the model actually wrapped in DDP), with plain
+Hugging Face on the whole batch. Bad input must fail on every rank, before the step does anything.
+Each process group is started once per test (starting one costs seconds), and a test reports every
+failing case, not just the first.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_memo
+from tests.conftest import assert_same_grads, build_model, make_batch
+from tests.multiprocess import run_processes
+
+CHUNKS = dict(mlp_chunks=2, lm_head_chunks=3)
+
+
+@dataclass
+class Case:
+    """One training step to run sequence-parallel and compare with the unpatched model."""
+
+    family: str
+    ids: torch.Tensor
+    labels: torch.Tensor
+    overrides: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)
+    ddp: bool = False
+    checkpointing: bool = False
+
+
+def _batch_case(family, batch, seq, masked=0.3, **overrides):
+    return Case(family, *make_batch(batch, seq, masked), overrides=overrides)
+
+
+def two_rank_cases() -> dict[str, Case]:
+    fully_masked = make_batch(2, 16, 0.2)
+    fully_masked[1][:, 8:] = -100  # rank 1's shard (tokens 8..15) has no target at all
+    padded_ids, padded_labels = make_batch(2, 12, 0.2)
+    mask = torch.ones_like(padded_ids)
+    mask[1, 8:] = 0
+    padded_labels[1, 8:] = -100
+    ids, labels = make_batch(2, 14)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shift[0, 3] = 5  # differs from shifting `labels`: using them is observable
+    return {
+        "llama, 1 KV head < sp (replicated)": _batch_case("llama", 2, 16, num_key_value_heads=1),
+        "llama, 2 KV heads = sp, S padded": _batch_case("llama", 2, 13),
+        "llama, 4 KV heads > sp": _batch_case("llama", 1, 16, num_key_value_heads=4),
+        "mistral": _batch_case("mistral", 2, 10),
+        "qwen2": _batch_case("qwen2", 1, 11),
+        "qwen3": _batch_case("qwen3", 2, 12),
+        "gpt2, S padded": _batch_case("gpt2", 2, 15),
+        "llama, most labels masked": _batch_case("llama", 3, 9, 0.8),
+        "rank 1's shard fully masked": Case("llama", *fully_masked),
+        "right padding with attention_mask": Case("llama", padded_ids, padded_labels, kwargs={"attention_mask": mask}),
+        "shift_labels given": Case("qwen2", ids, labels, kwargs={"shift_labels": shift}),
+        "num_items_in_batch given": Case("llama", ids, labels, kwargs={"num_items_in_batch": torch.tensor(40)}),
+        "HF gradient checkpointing": Case("llama", ids, labels, checkpointing=True),
+        "wrapped in DDP": Case("gpt2", ids, labels, ddp=True),
+    }
+
+
+def four_rank_cases() -> dict[str, Case]:
+    return {
+        "sp=4, llama, 2 KV heads (replicated), S padded": _batch_case("llama", 2, 18),
+        "sp=4, gpt2": _batch_case("gpt2", 1, 16),
+        "sp=4, qwen3, 4 KV heads": _batch_case("qwen3", 2, 8, num_key_value_heads=4),
+        "sp=4, S=3 shorter than sp": _batch_case("mistral", 2, 3, 0.0),
+    }
+
+
+def _replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(2, 11, seed=10 + replica)
+
+
+def _averaged_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gradient averaged over the world, as DDP does."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        grads[name] = grad / dist.get_world_size()
+    return grads
+
+
+def _sp_step(case: Case, sp: int) -> dict:
+    model = build_model(case.family, **case.overrides)
+    if case.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS)
+    runner = DistributedDataParallel(model) if case.ddp else model
+    loss = runner(input_ids=case.ids, labels=case.labels, **case.kwargs).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()} if case.ddp else _averaged_grads(model)
+    return {"loss": loss.detach(), "grads": grads}
+
+
+def _expect_error(action) -> str:
+    try:
+        action()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _two_rank_worker(rank, world):
+    results = {name: _sp_step(case, 2) for name, case in two_rank_cases().items()}
+
+    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2, **CHUNKS)
+    ids, labels = make_batch(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    results["eval logits"] = model.eval()(input_ids=ids, attention_mask=mask).logits.detach()
+    layer = model.model.layers[0].self_attn
+    results["attention while patched"] = (layer.config._attn_implementation, model.config._attn_implementation)
+    hf_memo.revert(model)
+    results["attention after revert"] = (layer.config is model.config, layer.config._attn_implementation)
+
+    def different_batches():
+        own_ids, own_labels = make_batch(1, 8, seed=rank)
+        hf_memo.apply(build_model("llama"), sequence_parallel_size=2)(input_ids=own_ids, labels=own_labels)
+
+    three_heads = dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    results["errors"] = {
+        "world size": _expect_error(lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=4)),
+        "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **three_heads), sequence_parallel_size=2)),
+        "eager attention": _expect_error(
+            lambda: hf_memo.apply(build_model("llama", attn_implementation="eager"), sequence_parallel_size=2)
+        ),
+        "different batches": _expect_error(different_batches),
+        "training without labels": _expect_error(
+            lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=2)(input_ids=ids)
+        ),
+    }
+    return results
+
+
+def _four_rank_worker(rank, world):
+    results = {name: _sp_step(case, 4) for name, case in four_rank_cases().items()}
+    ids, labels = _replica_batch(rank // 2)  # ranks 0, 1 train on one batch, ranks 2, 3 on another
+    replicas = Case("llama", ids, labels, overrides={"num_key_value_heads": 1}, ddp=True)
+    results["2 replicas x sp=2, DDP"] = _sp_step(replicas, 2)
+    return results
+
+
+def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = build_model(case.family, **case.overrides)
+    out = model(input_ids=case.ids, labels=case.labels, **case.kwargs)
+    out.loss.backward()
+    return model, out.loss.detach()
+
+
+def _compare(name: str, got: dict, want_loss: torch.Tensor, want_grads: dict, family: str, overrides: dict) -> None:
+    assert torch.isfinite(got["loss"]), f"loss is {got['loss']}"
+    torch.testing.assert_close(got["loss"], want_loss, rtol=1e-6, atol=0)
+    model, reference = build_model(family, **overrides), build_model(family, **overrides)
+    for (param_name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        param.grad, ref.grad = got["grads"][param_name], want_grads[param_name]
+    assert_same_grads(model, reference)
+
+
+def _failures(per_rank: list[dict], cases: dict[str, Case]) -> list[str]:
+    """Every (case, rank) whose loss or gradients differ from the unpatched model's, with the reason."""
+    failures = []
+    for name, case in cases.items():
+        reference, loss = _reference(case)
+        grads = {n: p.grad for n, p in reference.named_parameters()}
+        for rank, results in enumerate(per_rank):
+            try:
+                _compare(name, results[name], loss, grads, case.family, case.overrides)
+            except AssertionError as error:
+                failures.append(f"{name}, rank {rank}: {error}")
+    return failures
+
+
+def test_two_ranks_match_single_process_and_refuse_bad_input_on_every_rank():
+    per_rank = run_processes(_two_rank_worker, 2)
+    failures = _failures(per_rank, two_rank_cases())
+
+    ids, _ = make_batch(2, 12)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    want = build_model("llama").eval()(input_ids=ids, attention_mask=mask).logits
+    expected_errors = {
+        "world size": "MemoConfig.sequence_parallel_size=4 must divide the world size 2",
+        "heads": "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3",
+        "eager attention": "attn_implementation to be one of sdpa, flash_attention_2",
+        "different batches": "ranks of a sequence-parallel group must get the same batch",
+        "training without labels": "a training forward must compute the loss",
+    }
+    for rank, results in enumerate(per_rank):
+        if not torch.allclose(results["eval logits"], want):
+            failures.append(f"rank {rank}: evaluation (unsplit, with the padding mask) differs from unpatched")
+        if results["attention while patched"] != ("hf_memo_ulysses_sp2_sdpa", "sdpa"):
+            failures.append(f"rank {rank}: attention while patched is {results['attention while patched']}")
+        if results["attention after revert"] != (True, "sdpa"):
+            failures.append(f"rank {rank}: attention after revert is {results['attention after revert']}")
+        for error, expected in expected_errors.items():
+            if expected not in results["errors"][error]:
+                failures.append(f"rank {rank}, {error}: expected {expected!r}, got {results['errors'][error]!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_four_ranks_match_single_process_and_replicas_average_under_ddp():
+    per_rank = run_processes(_four_rank_worker, 4)
+    failures = _failures(per_rank, four_rank_cases())
+
+    references = [_reference(Case("llama", *_replica_batch(r), overrides={"num_key_value_heads": 1})) for r in (0, 1)]
+    replica_grads = [{n: p.grad for n, p in model.named_parameters()} for model, _ in references]
+    averaged = {name: (replica_grads[0][name] + replica_grads[1][name]) / 2 for name in replica_grads[0]}
+    for rank, results in enumerate(per_rank):
+        try:
+            got = results["2 replicas x sp=2, DDP"]
+            _compare("replicas", got, references[rank // 2][1], averaged, "llama", {"num_key_value_heads": 1})
+        except AssertionError as error:
+            failures.append(f"2 replicas x sp=2 under DDP, rank {rank}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+def test_without_a_process_group_training_fails_before_the_step():
+    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2)
+    ids, labels = make_batch(1, 8)
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 needs torch.distributed, but no process group"):
+        model(input_ids=ids, labels=labels)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_apply_checks_heads_and_attention_without_a_process_group():
+    config = LlamaConfig(
+        hidden_size=24, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=1, vocab_size=11
+    )
+    model = LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match="accepted for this model: 1, 3"):
+        hf_memo.apply(model, sequence_parallel_size=2)
+    assert hf_memo.applied_config(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_sharing_the_config_keeps_its_own_attention():
+    first = build_model("llama")
+    second = LlamaForCausalLM(first.config).double()
+    hf_memo.apply(first, sequence_parallel_size=2)
+    assert first.config is second.config and second.config._attn_implementation == "sdpa"
+    assert second.model.layers[0].self_attn.config is second.config
+    ids, labels = make_batch(1, 8)
+    second(input_ids=ids, labels=labels).loss.backward()  # unpatched: no process group needed
+
+
+def test_a_patched_model_can_be_deep_copied():
+    model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2)
+    twin = copy.deepcopy(model)
+    layer = twin.model.layers[1].self_attn
+    assert layer.config._config is twin.config and layer.config._attn_implementation == "hf_memo_ulysses_sp2_sdpa"
+    ids, _ = make_batch(1, 8)
+    torch.testing.assert_close(twin.eval()(input_ids=ids).logits, model.eval()(input_ids=ids).logits)

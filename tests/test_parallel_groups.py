@@ -1,0 +1,54 @@
+"""Sequence-parallel groups and degree checks (multi-process layouts are tested in test_parallel_causal_lm.py)."""
+
+import pytest
+import torch.distributed as dist
+
+from hf_memo.parallel.groups import check_head_counts, check_not_accelerate_deepspeed_sp, sequence_parallel_groups
+
+
+def test_without_a_process_group_the_error_says_how_to_launch():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError) as excinfo:
+        sequence_parallel_groups(2)
+    message = str(excinfo.value)
+    assert "MemoConfig.sequence_parallel_size=2" in message and "no process group" in message
+    assert "accelerate launch" in message
+
+
+def test_a_world_size_that_is_not_a_multiple_of_the_degree_is_refused(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"sequence_parallel_size=2 must divide the world size 1 .*accepted: 1"):
+            sequence_parallel_groups(2)
+        groups = sequence_parallel_groups(1)
+        assert (groups.sp_size, groups.sp_rank, groups.dp_size, groups.dp_rank) == (1, 0, 1, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size,heads,kv_heads", [(1, 4, 2), (2, 4, 2), (4, 4, 2), (4, 8, 8), (8, 32, 8), (4, 4, 1)])
+def test_degrees_that_fit_the_heads_are_accepted(size, heads, kv_heads):
+    check_head_counts(size, heads, kv_heads)
+
+
+@pytest.mark.parametrize(
+    "size,heads,kv_heads,accepted",
+    [(3, 4, 2, "1, 2, 4"), (8, 4, 4, "1, 2, 4"), (4, 12, 6, "1, 2, 3, 6, 12"), (3, 6, 2, "1, 2, 6")],
+)
+def test_degrees_that_do_not_fit_the_heads_name_what_would(size, heads, kv_heads, accepted):
+    with pytest.raises(ValueError) as excinfo:
+        check_head_counts(size, heads, kv_heads)
+    message = str(excinfo.value)
+    assert f"sequence_parallel_size={size}" in message
+    assert f"num_attention_heads={heads}" in message and f"num_key_value_heads={kv_heads}" in message
+    assert message.endswith(f"accepted for this model: {accepted}")
+
+
+def test_deepspeed_sequence_parallelism_configured_by_accelerate_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "4")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
+    check_not_accelerate_deepspeed_sp(1)
+    with pytest.raises(ValueError, match="already splits the sequence"):
+        check_not_accelerate_deepspeed_sp(4)
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "1")
+    check_not_accelerate_deepspeed_sp(4)
