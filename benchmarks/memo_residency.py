@@ -73,8 +73,12 @@ def profile(config, alpha: float | None, seq_len: int) -> dict:
         trace = trace_training_step(model, 1, seq_len, optimizer="none")
     top = peak(trace, "device")
     beyond_state = top.total - top.by_category["parameter"] - top.by_category["gradient"] - top.by_category["buffer"]
-    return {**residency(trace), "peak_device_beyond_state": beyond_state, "peak_phase": top.phase,
-            "peak_host": peak(trace, "host").total}
+    return {
+        **residency(trace),
+        "peak_device_beyond_state": beyond_state,
+        "peak_phase": top.phase,
+        "peak_host": peak(trace, "host").total,
+    }
 
 
 def main() -> None:
@@ -93,8 +97,12 @@ def main() -> None:
         config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 64
         seq_len = 2048
     layers = config.num_hidden_layers
-    results = {"date": date, "shape": f"Llama-3-8B{' (tiny)' if args.tiny else ''}, {layers} layers, bf16, batch 1",
-               "seq_len": seq_len, "modes": {}}
+    results = {
+        "date": date,
+        "shape": f"Llama-3-8B{' (tiny)' if args.tiny else ''}, {layers} layers, bf16, batch 1",
+        "seq_len": seq_len,
+        "modes": {},
+    }
     for name, alpha in MODES.items():
         results["modes"][name] = profile(config, alpha, seq_len)
         print(f"{name}: profiled", flush=True)

@@ -11,6 +11,7 @@ from hf_memo.units import parse_bytes
 RECOMPUTE_MODES = ("none", "full", "selective", "memo")
 PLANNERS = ("off", "greedy", "cpsat", "mip", "gurobi")
 
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

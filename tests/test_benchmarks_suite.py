@@ -23,7 +23,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from benchmarks.suite import __main__ as cli
 from benchmarks.suite import acceptance, worker
 from benchmarks.suite.contenders import CONTENDERS, unavailable_reason
-from benchmarks.suite.cpu_memory import StoragePeak
 from benchmarks.suite.metrics import device_slug, flops_at, matmul_parameters, model_flops
 from benchmarks.suite.search import length_grid, longest, next_length
 from benchmarks.suite.store import ResultStore
@@ -89,58 +88,14 @@ def test_device_slug():
     assert device_slug("cpu") == "cpu"
 
 
-def test_storage_peak_matches_pytorch_memtracker_on_a_training_step():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters())
-    ids = torch.randint(0, 512, (1, 96))
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # optimizer state exists from here on
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        step()
-    expected = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    counter = StoragePeak().track([*model.parameters(), *model.buffers(), *state])
-    resident = counter.current
-    with counter:
-        step()
-    assert counter.peak == expected
-    assert counter.current == resident  # every temporary was seen freed
-
-
 MEMO_MODES = ("selective", "memo-auto", "memo+planner")
 
 
-def _memo_config_error(name: str) -> str | None:
-    """``MemoConfig``'s refusal of a contender's config, or ``None`` once it accepts it."""
+def test_every_hf_memo_contender_has_a_valid_config_and_runs_in_the_dry_run():
     from hf_memo import MemoConfig
 
-    try:
+    for name in MEMO_MODES:
         MemoConfig(**CONTENDERS[name].memo)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def test_memo_modes_are_skipped_with_memo_config_s_reason_until_it_accepts_them(monkeypatch):
-    import hf_memo.config
-
-    for name in MEMO_MODES:
-        assert unavailable_reason(CONTENDERS[name], dry_run=True) == _memo_config_error(name)
-    monkeypatch.setattr(hf_memo.config, "_NOT_YET_SUPPORTED", {})  # as if every mode had landed
-    for name in MEMO_MODES:
         assert unavailable_reason(CONTENDERS[name], dry_run=True) is None
 
 
@@ -273,12 +228,8 @@ def test_dry_run_reports_skipped_contenders_with_their_reason(dry_run):
     rows = _rows(dry_run)
     liger = rows[f"h200/{WORKLOAD}/hf+liger-flce/-"]
     assert liger["status"] == "skipped" and liger["reason"] == unavailable_reason(CONTENDERS["hf+liger-flce"], True)
-    refused = _memo_config_error("memo-auto")
     memo_rows = [r for r in rows.values() if r["contender"] == "memo-auto"]
-    if refused is not None:  # until MEMO lands: one skipped row with MemoConfig's own message
-        assert [(r["seq_len"], r["status"], r["reason"]) for r in memo_rows] == [(None, "skipped", refused)]
-    else:
-        assert {r["seq_len"]: r["status"] for r in memo_rows}[32] == "ok"
+    assert {r["seq_len"]: r["status"] for r in memo_rows}[32] == "ok"
     assert not any(r["seq_len"] is not None for r in rows.values() if r["contender"] == "hf+liger-flce")
 
 

@@ -97,7 +97,7 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
     traces, plot = tmp_path / "traces", tmp_path / "timeline.png"
     assert cli.main(argv + ["--json", "--no-search", "--trace-dir", str(traces), "--plot", str(plot)]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert set(record["modes"]) == {"vanilla", "hf-checkpointing", "minseq"}
+    assert set(record["modes"]) == {"vanilla", "hf-checkpointing", "minseq", "memo"}
     assert record["modes"]["minseq"]["longest_seq_len"] is None
     assert record["gpu_memory"] == 24 * MiB
     for mode, values in record["modes"].items():
@@ -114,7 +114,7 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
         (["--gpu-memory", "eighty"], "--gpu-memory: expected a size such as '80GiB'"),
         (["--seq-len", "0"], "--seq-len: a token count must be positive"),
         (["--seq-len", "-5"], "--seq-len: expected a token count"),
-        (["--modes", "vanilla,fast"], "--modes must be one of vanilla, hf-checkpointing, minseq, got 'fast'"),
+        (["--modes", "vanilla,fast"], "--modes must be one of vanilla, hf-checkpointing, minseq, memo, got 'fast'"),
         (["--batch", "0"], "--batch must be an integer >= 1"),
         (["--trainable", "half"], "--trainable must be one of full, lora"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, none"),

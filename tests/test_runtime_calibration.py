@@ -4,6 +4,7 @@ import torch
 
 from hf_memo.patches.llama import FAMILY
 from hf_memo.runtime.calibration import host_bandwidth, layer_bytes_per_token, layer_forward_seconds
+from hf_memo.runtime.offload import HostPool
 from tests.conftest import build_model
 
 
@@ -39,4 +40,6 @@ def test_probing_leaves_the_rng_and_no_references_behind():
 def test_timings_and_bandwidth_are_positive():
     split, x = _layer_input()
     assert layer_forward_seconds(split, x.detach()) > 0
-    assert host_bandwidth(torch.device("cpu"), nbytes=1 << 20) > 0
+    pool = HostPool(torch.device("cpu"))
+    assert host_bandwidth(x, pool) > 0
+    assert pool.in_use_bytes == 0 and pool.reserved_bytes == x.numel() * x.element_size()  # kept for the stash

@@ -118,7 +118,7 @@ def memo_config_kwargs(entry: Contender, dry_run: bool, dry_run_scale: int) -> d
 
 
 def unavailable_reason(entry: Contender, dry_run: bool) -> str | None:
-    """Why ``entry`` cannot run here (a missing package, no CUDA in a dry run, a refused config), or ``None``.
+    """Why ``entry`` cannot run here (a missing package, no CUDA in a dry run), or ``None``.
 
     Cheap: nothing optional is imported, and CUDA is not initialised.
     """
@@ -127,11 +127,4 @@ def unavailable_reason(entry: Contender, dry_run: bool) -> str | None:
         return f"{', '.join(missing)} not importable"
     if entry.needs_cuda and dry_run:
         return "needs a CUDA device (Triton kernels); the dry run is CPU only"
-    if entry.memo is not None:
-        from hf_memo import MemoConfig
-
-        try:
-            MemoConfig(**entry.memo)
-        except ValueError as error:
-            return str(error)
     return None

@@ -35,9 +35,10 @@ from torch import nn
 
 from benchmarks.suite import baselines
 from benchmarks.suite.contenders import Contender, contender, memo_config_kwargs
-from benchmarks.suite.cpu_memory import StoragePeak
 from benchmarks.suite.metrics import matmul_parameters, mfu, model_flops
 from benchmarks.suite.workloads import LORA_TARGETS, Workload, workload
+from hf_memo.profiler.allocations import AllocationRecorder
+from hf_memo.profiler.analysis import peak
 
 FAULT_VARIABLE = "BENCH_SUITE_FAULT"
 _REASON_CHARS = 3000  # of a traceback, kept in the results
@@ -228,11 +229,13 @@ class TrainingSteps:
 
 
 def _counted_step(steps: TrainingSteps) -> tuple[float, float, int]:
-    """One step with the peak bytes of all live CPU storage counted: ``(seconds, loss, peak)``."""
-    counter = StoragePeak().track(steps.resident_tensors())
-    with counter:
+    """One step under hf_memo's allocation recorder: ``(seconds, loss, peak)``, the peak of the bytes that stand
+    for device memory (host-offloaded buffers are not counted, as on a GPU)."""
+    recorder = AllocationRecorder(lambda: "other", lambda: "other")
+    with recorder:
+        recorder.track(steps.resident_tensors(), "parameter")
         seconds, loss = steps.step()
-    return seconds, loss, counter.peak
+    return seconds, loss, peak(recorder.trace(), "device").total
 
 
 def _memory_metrics(device: torch.device) -> dict[str, Any]:

@@ -79,19 +79,22 @@ def layer_forward_seconds(split: LayerSplit, x: torch.Tensor) -> float:
         return time.perf_counter() - start
 
 
-def host_bandwidth(device: torch.device, nbytes: int = 64 * 2**20) -> float:
-    """Bytes per second of a device<->host copy of ``nbytes`` (pinned host memory on CUDA), the slower way."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    seconds = []
-    for dst, src in ((dev, host), (host, dev)):
-        dst.copy_(src)  # warm up
-        _synchronize(device)
+def host_bandwidth(x: torch.Tensor, pool: HostPool) -> float:
+    """Bytes per second of copying ``x`` to a host buffer of ``pool`` (pinned on CUDA), as offloading will.
+
+    The buffer goes back to the pool, where the layer's stash reuses it: measuring costs no memory.
+    """
+    nbytes = x.numel() * x.element_size()
+    host = pool.acquire(nbytes)
+    flat = x.detach().reshape(-1).view(torch.uint8)
+    try:
+        _synchronize(x.device)
         start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        _synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return nbytes / max(seconds)
+        host[:nbytes].copy_(flat, non_blocking=True)
+        _synchronize(x.device)
+        return nbytes / max(time.perf_counter() - start, 1e-9)
+    finally:
+        pool.release(host)
 
 
 def _synchronize(device: torch.device) -> None:

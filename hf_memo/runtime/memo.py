@@ -63,7 +63,7 @@ class MemoRuntime:
                 self.num_layers, fixed * tokens, other * tokens, self.host_limit, requested=float(fraction)
             )
         if x.device not in self._bandwidth:
-            self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x.device)
+            self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x, self._transport(x.device).pool)
         layer_time = self.config.layer_time or layer_forward_seconds(split, x)
         return solve_offload_fraction(
             self.num_layers,
@@ -75,10 +75,13 @@ class MemoRuntime:
         )
 
     # -- stashes (the executor's StashSource) ---------------------------------------------------------
+    def _transport(self, device: torch.device) -> _Transport:
+        if device not in self._transports:
+            self._transports[device] = _Transport(device)
+        return self._transports[device]
+
     def open_stash(self, index: int, device: torch.device) -> LayerStash:
-        transport = self._transports.get(device)
-        if transport is None:
-            transport = self._transports[device] = _Transport(device)
+        transport = self._transport(device)
         swapped = self.plan is not None and index < self.plan.swapped_layers
         return LayerStash(index, swapped, transport.engine, transport.pool, transport.rounding, transport.prefetch)
 

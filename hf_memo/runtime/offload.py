@@ -27,10 +27,9 @@ class HostPool:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A ``(>= nbytes,)`` uint8 host buffer; the smallest free one that fits, else a new one."""
-        fitting = [b for b in self._free if b.numel() >= nbytes]
+        fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
         if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
-            self._free.remove(buffer)
+            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         else:
             buffer = mark_host(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin))
             self.reserved_bytes += nbytes
