@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from hf_memo.config import MemoConfig
 from hf_memo.patches.patching import patch_model, patch_state, unpatch_model
 from hf_memo.patches.registry import family_for
+from hf_memo.runtime.memo import MemoRuntime
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -60,3 +61,9 @@ def applied_config(model: nn.Module) -> MemoConfig | None:
     """The :class:`MemoConfig` applied to ``model``, or ``None`` if it is not patched."""
     state = patch_state(causal_lm_of(model))
     return None if state is None else state.config
+
+
+def memo_runtime(model: nn.Module) -> MemoRuntime | None:
+    """The memo executor's runtime of a model patched with ``recompute="memo"`` (offload plan, host bytes, ...)."""
+    state = patch_state(causal_lm_of(model))
+    return None if state is None else state.runtime

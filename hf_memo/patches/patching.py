@@ -18,6 +18,7 @@ from hf_memo.patches.forwards import (
     mlp_forward,
 )
 from hf_memo.patches.installed import PatchRecord
+from hf_memo.patches.planning import plan_training_step
 from hf_memo.runtime.memo import MemoRuntime
 
 _STATE_ATTR = "_hf_memo_patch"
@@ -38,6 +39,11 @@ def patch_state(model: PreTrainedModel) -> PatchState | None:
     return model.__dict__.get(_STATE_ATTR)
 
 
+def hf_checkpointing_enabled(model: PreTrainedModel) -> bool:
+    """Whether Hugging Face gradient (activation) checkpointing is on for ``model``."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> None:
     """Install hf_memo on an unpatched ``model`` of ``family`` (instance-level, reversible)."""
     if not isinstance(model, family.causal_lm):
@@ -45,12 +51,15 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
             f"'{family.model_type}'), got {type(model).__name__}"
         )
-    if config.recompute != "none" and model.is_gradient_checkpointing:
+    if config.recompute != "none" and hf_checkpointing_enabled(model):
         raise ValueError(hf_checkpointing_conflict(config))
     record = PatchRecord()
     sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
     layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
-    runtime = MemoRuntime(config, len(layers)) if config.recompute == "memo" else None
+    runtime = None
+    if config.recompute == "memo":
+        planner = partial(plan_training_step, model, progress=False) if config.planner != "off" else None
+        runtime = MemoRuntime(config, len(layers), planner)
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
         width = family.intermediate_size(model.config.get_text_config())
         for module in model.modules():

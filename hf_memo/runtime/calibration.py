@@ -32,7 +32,10 @@ class _ProbeRuntime:
     def sealed(self, index: int, stash: LayerStash) -> None:
         pass
 
-    def prefetch_below(self, index: int) -> None:
+    def backward_started(self, index: int, device: torch.device) -> None:
+        pass
+
+    def backward_done(self, index: int, device: torch.device) -> None:
         pass
 
     def attention_ran(self) -> None:

@@ -49,7 +49,13 @@ class StashSource(Protocol):
 
     def sealed(self, index: int, stash: LayerStash) -> None: ...
 
-    def prefetch_below(self, index: int) -> None: ...
+    def backward_started(self, index: int, device: torch.device) -> None:
+        """Layer ``index``'s backward begins: prefetch the layer below; the top layer frees the rounding buffers."""
+        ...
+
+    def backward_done(self, index: int, device: torch.device) -> None:
+        """Layer ``index``'s backward ended; after layer 0 the prefetch buffers are free."""
+        ...
 
     def attention_ran(self) -> None: ...
 
@@ -173,7 +179,7 @@ class MemoLayerFunction(torch.autograd.Function):
         stash: LayerStash = ctx.stash
         split: LayerSplit = ctx.split
         params = ctx.saved_tensors
-        ctx.runtime.prefetch_below(ctx.index)
+        ctx.runtime.backward_started(ctx.index, grad_y.device)
         wanted = list(ctx.needs_input_grad[6:])
         wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
@@ -230,5 +236,6 @@ class MemoLayerFunction(torch.autograd.Function):
             (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
             grad_x[:, start:stop] += grad_pre
         stash.release()
+        ctx.runtime.backward_done(ctx.index, grad_y.device)
         ctx.post_graphs = ctx.pre_graphs = ctx.stash = None
         return (None, None, None, None, None, grad_x, *sums.result())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_memo.profiler.placement import mark_owned
+from hf_memo.runtime.arena import Arena
 from hf_memo.runtime.offload import CopyEngine, HostPool
 
 ALIGN = 512
@@ -38,13 +39,16 @@ class StashRef:
 
 
 class DeviceSlots:
-    """Two alternating flat device buffers (``name 0`` and ``name 1``) reused across layers and steps.
+    """Two alternating flat device buffers, ``"<name> 0"`` and ``"<name> 1"``, reused by the layers of a step.
 
     A slot is handed out only after the work that last used it is done (``release`` records when).
+    The buffers come from the memory plan's arena when there is one, else from PyTorch's allocator,
+    and are given back by :meth:`release_all` once the step no longer needs them (rounding buffers
+    when backward starts, prefetch buffers when it ends), so a plan can place both in the same bytes.
     """
 
-    def __init__(self, name: str, device: torch.device, engine: CopyEngine) -> None:
-        self.name, self.device, self.engine = name, device, engine
+    def __init__(self, name: str, device: torch.device, engine: CopyEngine, arena: Arena | None = None) -> None:
+        self.name, self.device, self.engine, self.arena = name, device, engine, arena
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._busy: list[torch.cuda.Event | None] = [None, None]
 
@@ -53,13 +57,30 @@ class DeviceSlots:
         self.engine.wait(self._busy[slot])
         buffer = self._buffers[slot]
         if buffer is None or buffer.numel() < nbytes:
-            buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), f"{self.name} {slot}")
+            self._drop(slot)
+            name = f"{self.name} {slot}"
+            if self.arena is not None:
+                buffer = self.arena.take(name, (nbytes,), torch.uint8)
+            else:
+                buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), name)
             self._buffers[slot] = buffer
         return buffer
 
     def release(self, slot: int, done: torch.cuda.Event | None) -> None:
         """Record the event after which ``slot`` may be reused."""
         self._busy[slot] = done
+
+    def release_all(self) -> None:
+        """Give both buffers back once the work using them is done (the compute stream waits for it)."""
+        for slot in (0, 1):
+            self.engine.wait(self._busy[slot])
+            self._busy[slot] = None
+            self._drop(slot)
+
+    def _drop(self, slot: int) -> None:
+        if self._buffers[slot] is not None and self.arena is not None:
+            self.arena.release(f"{self.name} {slot}")
+        self._buffers[slot] = None
 
     @property
     def reserved_bytes(self) -> int:

@@ -1,0 +1,65 @@
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import hf_memo
+from hf_memo.patches.apply import memo_runtime
+from hf_memo.patches.planning import plan_training_step
+from tests.conftest import assert_same_grads, build_model, make_batch
+
+BUFFERS = {"rounding 0", "rounding 1", "prefetch 0", "prefetch 1"}
+
+
+def _memo_model(**overrides):
+    model = build_model("llama", num_hidden_layers=5)
+    return hf_memo.apply(model, recompute="memo", offload_fraction=0.5, mlp_chunks=4, planner="greedy", **overrides)
+
+
+def test_plan_covers_the_executor_buffers_and_shares_rounding_with_prefetch_memory():
+    plan = plan_training_step(_memo_model(), 2, 16, progress=False)
+    assert (plan.meta["batch_size"], plan.meta["seq_len"]) == (2, 16)
+    assert set(plan.arena_offsets) == BUFFERS
+    # Rounding buffers are given back when backward starts, prefetch buffers are taken in backward:
+    # their lifetimes never overlap, so the plan lays them over the same bytes.
+    assert plan.arena_size < sum(plan.arena_sizes.values())
+
+
+def test_planning_a_lora_model_profiles_the_adapters_too():
+    model = get_peft_model(_memo_model(), LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+    plan = plan_training_step(model, 1, 16, progress=False)
+    assert set(plan.arena_offsets) == BUFFERS
+
+
+def test_training_with_the_planner_serves_buffers_from_the_arena_and_stays_exact():
+    model = _memo_model()
+    reference = copy.deepcopy(model)
+    hf_memo.revert(reference)
+    runtime = memo_runtime(model)
+    for seed in (1, 2):
+        model.zero_grad()
+        reference.zero_grad()
+        ids, labels = make_batch(2, 16, seed=seed)
+        model(input_ids=ids, labels=labels).loss.backward()
+        reference(input_ids=ids, labels=labels).loss.backward()
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert runtime.memory_plan is not None and runtime.memory_plan.meta["seq_len"] == 16
+    transport = next(iter(runtime._transports.values()))
+    arena = transport.rounding.arena
+    assert arena is not None and arena.planned and arena.buffer.numel() == runtime.memory_plan.arena_size
+
+
+def test_a_new_shape_is_planned_again():
+    model = _memo_model()
+    runtime = memo_runtime(model)
+    model(input_ids=make_batch(1, 16)[0], labels=make_batch(1, 16)[1]).loss.backward()
+    first = runtime.memory_plan
+    model(input_ids=make_batch(1, 24)[0], labels=make_batch(1, 24)[1]).loss.backward()
+    assert runtime.memory_plan is not first and runtime.memory_plan.meta["seq_len"] == 24
+
+
+def test_planning_needs_a_patched_model():
+    with pytest.raises(ValueError, match="needs a model patched by hf_memo.apply"):
+        plan_training_step(build_model("llama"), 1, 8)
+    assert torch.is_grad_enabled()
