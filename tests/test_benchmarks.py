@@ -34,3 +34,16 @@ def test_estimate_table_benchmark_runs_and_writes_its_results(tmp_path):
     assert all(row["relative_difference"] < 0.02 for row in results["extrapolation_check"]["modes"].values())
     assert "MsT paper" in (tmp_path / "estimate_table.md").read_text()
     assert (tmp_path / "estimate_timeline.png").stat().st_size > 0
+
+
+def test_memo_residency_benchmark_runs_and_memo_keeps_less_on_the_device(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "memo_residency.py"), "--tiny", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    modes = json.loads((tmp_path / "memo_residency.json").read_text())["modes"]
+    memo, hf = modes["memo alpha=0"], modes["hf+checkpointing"]
+    assert memo["device_activations"] < hf["device_activations"]
+    assert memo["host_activations"] > 0 == hf["host_activations"]

@@ -23,6 +23,7 @@ from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.multiprocess import run_processes
 
 CHUNKS = dict(mlp_chunks=2, lm_head_chunks=3)
+MEMO = dict(recompute="memo", offload_fraction=0.5)  # 4 layers: the first two are swapped to the host
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Case:
     kwargs: dict = field(default_factory=dict)
     ddp: bool = False
     checkpointing: bool = False
+    memo: dict = field(default_factory=dict)  # MemoConfig fields for the sequence-parallel model
 
 
 def _batch_case(family, batch, seq, masked=0.3, **overrides):
@@ -67,6 +69,10 @@ def two_rank_cases() -> dict[str, Case]:
         "num_items_in_batch given": Case("llama", ids, labels, kwargs={"num_items_in_batch": torch.tensor(40)}),
         "HF gradient checkpointing": Case("llama", ids, labels, checkpointing=True),
         "wrapped in DDP": Case("gpt2", ids, labels, ddp=True),
+        "memo executor, llama, 1 KV head, S padded": Case(
+            "llama", *make_batch(2, 15), overrides={"num_key_value_heads": 1, "num_hidden_layers": 4}, memo=MEMO
+        ),
+        "memo executor, gpt2": Case("gpt2", *make_batch(2, 16), overrides={"n_layer": 4}, memo=MEMO),
     }
 
 
@@ -76,6 +82,7 @@ def four_rank_cases() -> dict[str, Case]:
         "sp=4, gpt2": _batch_case("gpt2", 1, 16),
         "sp=4, qwen3, 4 KV heads": _batch_case("qwen3", 2, 8, num_key_value_heads=4),
         "sp=4, S=3 shorter than sp": _batch_case("mistral", 2, 3, 0.0),
+        "sp=4, memo executor, qwen3": Case("qwen3", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo=MEMO),
     }
 
 
@@ -97,7 +104,7 @@ def _sp_step(case: Case, sp: int) -> dict:
     model = build_model(case.family, **case.overrides)
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS)
+    hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS, **case.memo)
     runner = DistributedDataParallel(model) if case.ddp else model
     loss = runner(input_ids=case.ids, labels=case.labels, **case.kwargs).loss
     loss.backward()

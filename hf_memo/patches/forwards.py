@@ -22,7 +22,9 @@ from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.patches.family import Family
+from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.memo import MemoRuntime
 
@@ -129,6 +131,7 @@ def memo_layer_forward(
     config: MemoConfig,
     family: Family,
     runtime: MemoRuntime,
+    sequence_parallel: SequenceParallelLM | None,
     index: int,
     layer: nn.Module,
     inner: Callable,
@@ -145,10 +148,11 @@ def memo_layer_forward(
     if not (hidden.requires_grad or params):
         return inner(*args, **kwargs)  # nothing to differentiate: nothing to keep
     window = family.sliding_window(layer)
-    if window is not None and hidden.shape[1] > window:
+    seq_len = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
+    if window is not None and seq_len > window:
         raise ValueError(
             f"recompute='memo' computes full causal attention, but this layer uses a sliding window of {window} "
-            f"tokens and the sequence has {hidden.shape[1]}"
+            f"tokens and the sequence has {seq_len}"
         )
     if arguments.get("attention_mask") is not None or arguments.get("encoder_hidden_states") is not None:
         raise ValueError(
@@ -161,7 +165,12 @@ def memo_layer_forward(
     chunks = resolve_chunks(config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens)
     bounds = chunk_bounds(hidden.shape[1], chunks)
     alpha_chunks = runtime.alpha_chunks(split, hidden, len(bounds))
-    return MemoLayerFunction.apply(runtime, split, index, bounds, alpha_chunks, hidden, *params)
+    core = (
+        LocalAttention
+        if sequence_parallel is None
+        else UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size)
+    )
+    return MemoLayerFunction.apply(runtime, split, core, index, bounds, alpha_chunks, hidden, *params)
 
 
 def layer_config(layer: nn.Module) -> Any:

@@ -67,7 +67,9 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
                 record.install_forward(module, partial(mlp_forward, config, width))
     for index, layer in enumerate(layers):
         if runtime is not None:
-            record.install_forward(layer, partial(memo_layer_forward, config, family, runtime, index))
+            record.install_forward(
+                layer, partial(memo_layer_forward, config, family, runtime, sequence_parallel, index)
+            )
         elif config.recompute in ("full", "selective"):
             record.install_forward(layer, partial(checkpointed_layer_forward, config))
     record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel))

@@ -163,3 +163,27 @@ def attention_backward(
         )
     grads = (dq, reduce_kv(dk, groups), reduce_kv(dv, groups))
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes))
+
+
+class LocalAttention:
+    """The attention core on this device's whole sequence: :func:`attention_forward` / :func:`attention_backward`.
+
+    The memo executor calls a core through this two-method interface; sequence parallelism swaps in
+    one that exchanges heads for the sequence around these calls.
+    """
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, AttentionStats]:
+        return attention_forward(q, k, v, scale)
+
+    @staticmethod
+    def backward(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        stats: AttentionStats,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return attention_backward(grad_out, q, k, v, out, stats, scale)

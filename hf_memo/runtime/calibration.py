@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from hf_memo.runtime.attention_core import attention_forward
+from hf_memo.runtime.attention_core import LocalAttention, attention_forward
 from hf_memo.runtime.executor import LayerSplit, MemoLayerFunction
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
@@ -58,7 +58,9 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
         q, _, _ = split.project(x[:, :1].detach(), 0, 1)
-        MemoLayerFunction.apply(probe, split, 0, [(0, rows)], 1, x[:, :rows].detach().clone().requires_grad_(True))
+        MemoLayerFunction.apply(
+            probe, split, LocalAttention, 0, [(0, rows)], 1, x[:, :rows].detach().clone().requires_grad_(True)
+        )
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
     fixed = x.shape[-1] * x.element_size() + heads * head_dim * q.element_size() + heads * stat_size

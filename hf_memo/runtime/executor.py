@@ -24,7 +24,7 @@ from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState
-from hf_memo.runtime.attention_core import AttentionStats, attention_backward, attention_forward
+from hf_memo.runtime.attention_core import AttentionStats
 from hf_memo.runtime.stash import LayerStash
 
 
@@ -40,6 +40,25 @@ class LayerSplit(Protocol):
     def kept(self) -> list[torch.Tensor]:
         """Tensors that are never stashed: the layer's parameters and buffers, shared RoPE tables."""
         ...
+
+
+class AttentionCore(Protocol):
+    """Causal attention as a forward/backward pair on ``(B, h, S, D)`` tensors (see :mod:`.attention_core`)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, AttentionStats]: ...
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        stats: AttentionStats,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class StashSource(Protocol):
@@ -111,6 +130,7 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx,
         runtime: StashSource,
         split: LayerSplit,
+        core: AttentionCore,
         index: int,
         bounds: list[tuple[int, int]],
         alpha_chunks: int,
@@ -141,7 +161,7 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
         q, k, v = (torch.cat(parts, dim=2) for parts in qkv)
         del qkv
-        out, stats = attention_forward(q, k, v, split.scale)
+        out, stats = core.forward(q, k, v, split.scale)
         runtime.attention_ran()
         del q, k, v
         ctx.o_ref, ctx.lse_ref, ctx.stats_extra = stash.add(out), stash.add(stats.lse), stats.extra
@@ -169,7 +189,7 @@ class MemoLayerFunction(torch.autograd.Function):
         del out, o_rows, stats
         stash.seal()
         runtime.sealed(index, stash)
-        ctx.runtime, ctx.split, ctx.index, ctx.bounds, ctx.stash = runtime, split, index, bounds, stash
+        ctx.runtime, ctx.split, ctx.core, ctx.index, ctx.bounds, ctx.stash = runtime, split, core, index, bounds, stash
         ctx.alpha_chunks = alpha_chunks
         ctx.save_for_backward(*params)
         return y
@@ -180,7 +200,7 @@ class MemoLayerFunction(torch.autograd.Function):
         split: LayerSplit = ctx.split
         params = ctx.saved_tensors
         ctx.runtime.backward_started(ctx.index, grad_y.device)
-        wanted = list(ctx.needs_input_grad[6:])
+        wanted = list(ctx.needs_input_grad[7:])
         wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
         x = stash.rebuild(ctx.x_ref)
@@ -217,7 +237,7 @@ class MemoLayerFunction(torch.autograd.Function):
         del qkv
         stats = AttentionStats(stash.rebuild(ctx.lse_ref), ctx.stats_extra)
         grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
-        dq, dk, dv = attention_backward(grad_out, q, k, v, out, stats, split.scale)
+        dq, dk, dv = ctx.core.backward(grad_out, q, k, v, out, stats, split.scale)
         del q, k, v, grad_o, grad_out, out, o_rows
 
         for (start, stop), (x_edge, edges) in zip(offloaded, ctx.pre_graphs):
@@ -238,4 +258,4 @@ class MemoLayerFunction(torch.autograd.Function):
         stash.release()
         ctx.runtime.backward_done(ctx.index, grad_y.device)
         ctx.post_graphs = ctx.pre_graphs = ctx.stash = None
-        return (None, None, None, None, None, grad_x, *sums.result())
+        return (None, None, None, None, None, None, grad_x, *sums.result())
