@@ -32,6 +32,7 @@ class Family:
         split: ``split(layer, position_embeddings)`` cuts a decoder layer around its attention core
             for the memo executor (a :class:`hf_memo.runtime.executor.LayerSplit`).
         sliding_window: the attention window of a decoder layer, or ``None`` for full causal attention.
+        final_norm: the attribute of the backbone holding the norm applied after the last layer.
         output_class: the output type of ``causal_lm.forward``.
     """
 
@@ -42,4 +43,5 @@ class Family:
     split: Callable[[nn.Module, Any], Any]
     intermediate_size: Callable[[PretrainedConfig], int] = _intermediate_size
     sliding_window: Callable[[nn.Module], int | None] = _no_window
+    final_norm: str = "norm"
     output_class: type[ModelOutput] = CausalLMOutputWithPast

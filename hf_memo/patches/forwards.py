@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
@@ -41,6 +43,23 @@ def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callab
     return minseq_mlp(inner, x, trainable_params(module), chunks)
 
 
+_final_norm_deferred: ContextVar[bool] = ContextVar("hf_memo_final_norm_deferred", default=False)
+
+
+def final_norm_forward(norm: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
+    """The backbone's final norm; skipped while the causal LM's loss applies it inside its mini-sequences."""
+    return x if _final_norm_deferred.get() else inner(x)
+
+
+@contextmanager
+def _final_norm_in_head() -> Any:
+    token = _final_norm_deferred.set(True)
+    try:
+        yield
+    finally:
+        _final_norm_deferred.reset(token)
+
+
 def _keeps_all_logits(logits_to_keep: Any) -> bool:
     return isinstance(logits_to_keep, int) and logits_to_keep == 0
 
@@ -56,9 +75,10 @@ def causal_lm_forward(
 ) -> Any:
     """``*ForCausalLM.forward`` whose training loss runs the LM head in mini-sequences.
 
-    In training with ``labels`` (and all logits requested) the backbone runs as usual, then the
-    loss is computed from the ``(B, S, H)`` hidden states without building ``(B, S, V)`` logits;
-    ``logits`` is ``None`` in the output. Everything else (evaluation,
+    In training with ``labels`` (and all logits requested) the backbone runs up to its final norm,
+    then the final norm, LM head and loss run in mini-sequences on the ``(B, S, H)`` hidden states:
+    neither the ``(B, S, V)`` logits nor the norm's full-length intermediates exist, and only the
+    norm's input is kept for backward. ``logits`` is ``None`` in the output. Everything else (evaluation,
     ``generate()``, calls without labels) goes to the original forward unchanged.
     With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the sequence
     and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
@@ -80,16 +100,17 @@ def causal_lm_forward(
     if return_dict is None:
         return_dict = model.config.return_dict
     backbone = getattr(model, model.base_model_prefix)
-    outputs = backbone(**arguments, **extra)
+    with _final_norm_in_head():  # the norm runs per chunk in the loss: only its input is kept for backward
+        outputs = backbone(**arguments, **extra)
     hidden = outputs.last_hidden_state
-    head = model.get_output_embeddings()
+    head, norm = model.get_output_embeddings(), getattr(backbone, family.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
     tokens = hidden.numel() // hidden.shape[-1]
     chunks = resolve_chunks(config.lm_head_chunks, tokens, vocab_size, hidden.shape[-1], config.min_chunk_tokens)
     loss = causal_lm_loss(
         hidden,
-        head,
-        trainable_params(head),
+        lambda rows: head(norm(rows)),
+        trainable_params(norm) + trainable_params(head),
         labels,
         chunks,
         ignore_index=extra.get("ignore_index", -100),

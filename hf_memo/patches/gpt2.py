@@ -56,6 +56,7 @@ FAMILY = Family(
     mlp=hf.GPT2MLP,
     split=GPT2Split,
     sliding_window=lambda block: None,
+    final_norm="ln_f",
     intermediate_size=_intermediate_size,
     output_class=CausalLMOutputWithCrossAttentions,
 )

@@ -13,6 +13,7 @@ from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     causal_lm_forward,
     checkpointed_layer_forward,
+    final_norm_forward,
     hf_checkpointing_conflict,
     memo_layer_forward,
     mlp_forward,
@@ -72,6 +73,8 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             )
         elif config.recompute in ("full", "selective"):
             record.install_forward(layer, partial(checkpointed_layer_forward, config))
+    backbone = getattr(model, model.base_model_prefix)
+    record.install_forward(getattr(backbone, family.final_norm), final_norm_forward)
     record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
