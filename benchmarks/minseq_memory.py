@@ -26,23 +26,12 @@ import hf_memo
 from hf_memo.minseq.chunking import resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.profiler.fake_model import fake_causal_lm
+from hf_memo.profiler.footprint import with_layers
 from hf_memo.profiler.memtracker import peak_of, training_step_peak
+from hf_memo.profiler.shapes import builtin_config
 
 GiB = 2**30
 MODES = ("hf", "hf+checkpointing", "hf_memo", "hf_memo+checkpointing")
-
-
-def llama3_8b_layers(layers: int) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        num_hidden_layers=layers,
-        max_position_embeddings=1 << 20,
-        rope_theta=500000.0,
-    )
 
 
 def tiny_layers(layers: int) -> LlamaConfig:
@@ -190,7 +179,7 @@ def main() -> None:
     out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
     out.mkdir(parents=True, exist_ok=True)
     layers = 2 if args.tiny else 4
-    config = tiny_layers(layers) if args.tiny else llama3_8b_layers(layers)
+    config = tiny_layers(layers) if args.tiny else with_layers(builtin_config("llama-3-8b"), layers)
     seq_lens = (2048, 4096) if args.tiny else (16384, 65536)
     shape = ("tiny Llama" if args.tiny else "Llama-3-8B layer shapes") + f", {layers} layers, bf16, batch 1"
     results: dict = {

@@ -172,18 +172,5 @@ class LocalAttention:
     one that exchanges heads for the sequence around these calls.
     """
 
-    @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, AttentionStats]:
-        return attention_forward(q, k, v, scale)
-
-    @staticmethod
-    def backward(
-        grad_out: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        stats: AttentionStats,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return attention_backward(grad_out, q, k, v, out, stats, scale)
+    forward = staticmethod(attention_forward)
+    backward = staticmethod(attention_backward)
