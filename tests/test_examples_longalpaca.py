@@ -167,14 +167,14 @@ def run_recipe(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_recipe_end_to_end_with_lora_memo_packing_and_rope_scaling(tmp_path):
+def test_recipe_end_to_end_with_lora_memo_packing_and_rope_scaling_then_resumed(tmp_path):
     out = tmp_path / "out"
-    result = run_recipe(
-        tmp_path,
+    arguments = [
         *("--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER)),
-        *("--max_seq_len", "256", "--max_steps", "3", "--per_device_train_batch_size", "2", "--logging_steps", "1"),
-        *("--dtype", "float32", "--planner", "greedy", "--save_strategy", "no", "--output_dir", str(out)),
-    )
+        *("--max_seq_len", "256", "--per_device_train_batch_size", "2", "--logging_steps", "1"),
+        *("--dtype", "float32", "--planner", "greedy", "--save_steps", "3", "--output_dir", str(out)),
+    ]
+    result = run_recipe(tmp_path, *arguments, "--max_steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RoPE: linear scaling by 2 for 256 tokens" in result.stdout
     assert "40 rows of up to 256 tokens from 40 records; hf_memo recompute='memo', planner='greedy'" in result.stdout
@@ -184,7 +184,12 @@ def test_recipe_end_to_end_with_lora_memo_packing_and_rope_scaling(tmp_path):
     assert len(logged) == 3 and all("'hf_memo/alpha'" in line for line in logged)
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["peft_type"] == "LORA" and set(adapter["modules_to_save"]) == {"embed_tokens", "norm"}
-    assert (out / "adapter_model.safetensors").is_file()
+    assert (out / "adapter_model.safetensors").is_file() and (out / "checkpoint-3").is_dir()
+
+    resumed = run_recipe(tmp_path, *arguments, "--max_steps", "4", "--resume_from_checkpoint", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"memory plan (reused): {out / 'hf_memo_plan.json'}" in resumed.stdout
+    assert "trained 4 steps" in resumed.stdout
 
 
 def test_recipe_full_fine_tuning_llama3_one_record_per_row(recipe, tmp_path, capsys):

@@ -354,7 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"train.py: error: {error}", file=sys.stderr)
         return 2
-    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    resume = training.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "last"):
+        resume = True  # the last checkpoint in --output_dir
+    result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoCallback))
     if callback.plan_path is not None:
