@@ -32,6 +32,17 @@ def test_planning_a_lora_model_profiles_the_adapters_too():
     assert set(plan.arena_offsets) == BUFFERS
 
 
+def test_planning_a_lora_model_with_trainable_copies_of_modules():
+    def plan(**saved):
+        lora = LoraConfig(r=4, target_modules=["q_proj"], **saved)
+        return plan_training_step(get_peft_model(_memo_model(), lora), 1, 16, progress=False)
+
+    with_copies = plan(modules_to_save=["embed_tokens", "norm"])
+    assert set(with_copies.arena_offsets) == BUFFERS
+    # The copies of the embedding and the norms, and their gradients, are in the profiled step.
+    assert with_copies.lower_bound > plan().lower_bound
+
+
 def test_training_with_the_planner_serves_buffers_from_the_arena_and_stays_exact():
     model = _memo_model()
     reference = copy.deepcopy(model)

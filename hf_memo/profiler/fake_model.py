@@ -39,18 +39,23 @@ class FakeSession:
 
     @contextmanager
     def converting_modules(self) -> Iterator[None]:
-        """Let ``module.to(...)`` convert fake parameters (PEFT does it when it adds adapters).
+        """Let ``module.to(...)`` convert and ``copy.deepcopy`` copy fake modules (PEFT does both when it adds
+        adapters and trainable copies of ``modules_to_save``).
 
         Fake parameters are converted by swapping tensors, which PyTorch refuses for a tensor that
         has a weak reference; the fake mode's memo of tensors it created holds such references.
         Inside this block the memo holds plain references instead, then the weak memo comes back.
+        A deep copy of a fake tensor copies its attributes, the fake mode among them: inside this
+        block the mode copies as itself, so copies stay in this session.
         """
         converter = self.mode.fake_tensor_converter.meta_converter
         weak_memo = converter.tensor_memo
         converter.tensor_memo = {}
+        self.mode.__deepcopy__ = lambda memo: self.mode
         try:
             yield
         finally:
+            del self.mode.__deepcopy__
             converter.tensor_memo = weak_memo
 
 

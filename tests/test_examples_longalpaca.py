@@ -1,0 +1,227 @@
+"""The LongAlpaca recipe (examples/longalpaca/): sample data, prompt formats, packing, RoPE scaling, end to end."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "examples" / "longalpaca"
+TOKENIZER = RECIPE / "sample_tokenizer"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"longalpaca_{name}", RECIPE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_script("train")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+def tiny_config(path: Path, **overrides) -> Path:
+    config = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        max_position_embeddings=128,
+    )
+    LlamaConfig(**{**config, **overrides}).to_json_file(path)
+    return path
+
+
+def test_shipped_sample_is_what_the_generator_makes_and_small(tmp_path):
+    load_script("make_sample").write_sample(tmp_path)
+    assert (tmp_path / "sample.json").read_bytes() == (RECIPE / "sample.json").read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "sample_tokenizer" / name).read_bytes() == (TOKENIZER / name).read_bytes()
+    assert (RECIPE / "sample.json").stat().st_size < 400_000
+
+
+def test_sample_records_are_longalpaca_format_and_answers_come_from_their_document(tokenizer):
+    records = json.loads((RECIPE / "sample.json").read_text())
+    assert len(records) == 40
+    assert len({record["file"] for record in records}) == 40
+    for record in records:
+        assert set(record) == {"instruction", "output", "file"}
+        document, question = record["instruction"].rsplit("Question: ", 1)
+        assert len(tokenizer(document)["input_ids"]) > 1000  # long documents
+        for name in re.findall(r"\b[A-Z][a-z]{3,}\b", record["output"]):
+            assert name in document, f"{record['file']}: {name} is not in the document"
+    assert len(tokenizer) == 4096
+
+
+def test_llama2_record_masks_the_prompt_and_keeps_the_answer(recipe, tokenizer):
+    fmt = recipe.prompt_format("llama2")
+    encoded = recipe.encode_record("Read this. What is it?", "A test.", tokenizer, fmt, 64)
+    ids, labels = encoded["input_ids"], encoded["labels"]
+    answer = tokenizer("A test.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert ids[0] == tokenizer.bos_token_id and ids[-len(answer) :] == answer
+    assert labels == [-100] * (len(ids) - len(answer)) + answer
+    assert tokenizer.decode(ids[: -len(answer)]) == "<s>[INST] Read this. What is it? [/INST] "
+
+
+def test_llama3_record_uses_the_header_tokens_and_ends_with_eot(recipe, tokenizer):
+    fmt = recipe.prompt_format("llama3", system_prompt="Be brief.")
+    encoded = recipe.encode_record("Question?", "Answer.", tokenizer, fmt, 64)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert encoded["input_ids"][-1] == encoded["labels"][-1] == eot
+    text = tokenizer.decode(encoded["input_ids"])
+    assert text.startswith("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>")
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\nAnswer.<|eot_id|>" in text
+    assert tokenizer.decode([t for t in encoded["labels"] if t != -100]) == "Answer.<|eot_id|>"
+
+
+def test_long_instructions_lose_their_middle_and_answers_that_do_not_fit_drop_the_record(recipe, tokenizer):
+    fmt = recipe.prompt_format("llama2")
+    instruction = "Task first. " + " ".join(f"filler{i}" for i in range(200)) + " The question last?"
+    encoded = recipe.encode_record(instruction, "Short answer.", tokenizer, fmt, 80)
+    assert len(encoded["input_ids"]) == 80
+    prompt = tokenizer.decode([t for t, label in zip(encoded["input_ids"], encoded["labels"]) if label == -100])
+    assert prompt.startswith("<s>[INST] Task first. filler0") and prompt.endswith("The question last? [/INST] ")
+    assert "filler100" not in prompt
+    assert recipe.encode_record("Q?", " ".join(["word"] * 100), tokenizer, fmt, 50) is None
+
+
+def test_packing_makes_full_rows_in_order_and_every_row_has_answer_tokens(recipe, tokenizer):
+    records = recipe.load_records(str(RECIPE / "sample.json"))
+    rows = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 2048, packing=True)
+    encoded = [
+        recipe.encode_record(r["instruction"], r["output"], tokenizer, recipe.prompt_format("llama2"), 2048)
+        for r in records
+    ]
+    stream = [t for e in encoded for t in e["input_ids"]]
+    assert len(rows) == len(stream) // 2048
+    assert [t for row in rows["input_ids"] for t in row] == stream[: len(rows) * 2048]
+    assert all(len(row) == 2048 and any(label != -100 for label in row[1:]) for row in rows["labels"])
+    unpacked = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 2048, packing=False)
+    assert len(unpacked) == len(records) and [len(r) for r in unpacked["input_ids"]] == [
+        len(e["input_ids"]) for e in encoded
+    ]
+
+
+def test_records_without_the_longalpaca_fields_are_refused(recipe, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"prompt": "x", "output": "y"}]))
+    with pytest.raises(ValueError, match="need the fields instruction and output .* missing instruction"):
+        recipe.load_records(str(path))
+
+
+def test_collator_stacks_equal_rows_and_pads_unequal_ones_with_a_mask(recipe):
+    collate = recipe.Collator(pad_token_id=0)
+    batch = collate([{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7, 8], "labels": [7, 8]}])
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].tolist() == [[5, 6], [7, 8]]
+    batch = collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_rope_scaling_for_a_longer_context(recipe):
+    config = LlamaConfig(max_position_embeddings=128, hidden_size=32, num_attention_heads=4)
+    plain = LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    assert recipe.scale_rope(config, 512, "linear") == 4.0
+    assert config.rope_parameters["rope_type"] == "linear" and config.max_position_embeddings == 512
+    torch.testing.assert_close(LlamaForCausalLM(config).model.rotary_emb.inv_freq, plain / 4)  # interpolation
+
+    yarn = LlamaConfig(max_position_embeddings=128)
+    assert recipe.scale_rope(yarn, 300, "yarn") == 300 / 128
+    assert yarn.rope_parameters["original_max_position_embeddings"] == 128
+    assert yarn.max_position_embeddings == 300
+    dynamic = LlamaConfig(max_position_embeddings=128)
+    assert recipe.scale_rope(dynamic, 256, "dynamic", factor=3.0) == 3.0 and dynamic.max_position_embeddings == 128
+
+    unchanged = LlamaConfig(max_position_embeddings=1024)
+    assert recipe.scale_rope(unchanged, 512, "linear") is None and recipe.scale_rope(unchanged, 4096, "none") is None
+    assert unchanged.rope_parameters["rope_type"] == "default"
+    with pytest.raises(ValueError, match=r"already scales RoPE \(linear\)"):
+        recipe.scale_rope(config, 4096, "linear")
+    with pytest.raises(ValueError, match="model_type 'gpt2' has no rotary embeddings"):
+        recipe.scale_rope(GPT2Config(), 4096, "linear")
+    with pytest.raises(ValueError, match="--rope_type must be one of none, linear, dynamic, yarn, got 'ntk'"):
+        recipe.scale_rope(unchanged, 4096, "ntk")
+
+
+def run_recipe(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, str(RECIPE / "train.py"), "--use_cpu", "--report_to", "none", *arguments]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_recipe_end_to_end_with_lora_memo_packing_and_rope_scaling_then_resumed(tmp_path):
+    out = tmp_path / "out"
+    arguments = [
+        *("--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER)),
+        *("--max_seq_len", "256", "--per_device_train_batch_size", "2", "--logging_steps", "1"),
+        *("--dtype", "float32", "--planner", "greedy", "--save_steps", "3", "--output_dir", str(out)),
+    ]
+    result = run_recipe(tmp_path, *arguments, "--max_steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RoPE: linear scaling by 2 for 256 tokens" in result.stdout
+    assert "40 rows of up to 256 tokens from 40 records; hf_memo recompute='memo', planner='greedy'" in result.stdout
+    assert f"memory plan (planned): {out / 'hf_memo_plan.json'}" in result.stdout
+    assert "trained 3 steps" in result.stdout
+    logged = [line for line in result.stdout.splitlines() if "hf_memo/tokens_per_second" in line]
+    assert len(logged) == 3 and all("'hf_memo/alpha'" in line for line in logged)
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and set(adapter["modules_to_save"]) == {"embed_tokens", "norm"}
+    assert (out / "adapter_model.safetensors").is_file() and (out / "checkpoint-3").is_dir()
+
+    resumed = run_recipe(tmp_path, *arguments, "--max_steps", "4", "--resume_from_checkpoint", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"memory plan (reused): {out / 'hf_memo_plan.json'}" in resumed.stdout
+    assert "trained 4 steps" in resumed.stdout
+
+
+def test_recipe_full_fine_tuning_llama3_one_record_per_row(recipe, tmp_path, capsys):
+    out = tmp_path / "out"
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = recipe.main(
+            [
+                *("--model_config", str(tiny_config(tmp_path / "tiny.json", max_position_embeddings=4096))),
+                *("--tokenizer", str(TOKENIZER), "--prompt_format", "llama3", "--packing", "False"),
+                *("--lora", "False", "--recompute", "selective", "--max_seq_len", "4096", "--max_samples", "4"),
+                *("--max_steps", "2", "--per_device_train_batch_size", "2", "--dtype", "float32", "--use_cpu"),
+                *("--report_to", "none", "--save_strategy", "no", "--output_dir", str(out), "--disable_tqdm", "True"),
+            ]
+        )
+    finally:
+        torch.set_num_threads(torch_threads)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "4 rows of up to 4096 tokens from 4 records; hf_memo recompute='selective'" in printed
+    assert "RoPE" not in printed  # the records fit the model's context: rows of their own lengths, padded
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_recipe_refuses_padding_under_memo_and_bad_choices(recipe, tmp_path, capsys):
+    base = ["--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER), "--use_cpu"]
+    assert recipe.main([*base, "--packing", "False", "--per_device_train_batch_size", "2"]) == 2
+    assert "--recompute memo refuses attention masks" in capsys.readouterr().err
+    assert recipe.main([*base, "--prompt_format", "chatml"]) == 2
+    assert "--prompt_format must be one of llama2, llama3, got 'chatml'" in capsys.readouterr().err
+    assert recipe.main([*base, "--model_name_or_path", "some/model"]) == 2
+    assert "give one of --model_name_or_path" in capsys.readouterr().err
+    assert recipe.main([*base, "--recompute", "twice"]) == 2
+    assert "MemoConfig.recompute must be one of" in capsys.readouterr().err
