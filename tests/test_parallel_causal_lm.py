@@ -10,6 +10,7 @@ failing case, not just the first.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_memo
+from hf_memo.runtime.arena import ArenaWarning
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.multiprocess import run_processes
 
@@ -73,6 +75,9 @@ def two_rank_cases() -> dict[str, Case]:
             "llama", *make_batch(2, 15), overrides={"num_key_value_heads": 1, "num_hidden_layers": 4}, memo=MEMO
         ),
         "memo executor, gpt2": Case("gpt2", *make_batch(2, 16), overrides={"n_layer": 4}, memo=MEMO),
+        "memo executor with the memory planner": Case(
+            "llama", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo={**MEMO, "planner": "greedy"}
+        ),
     }
 
 
@@ -106,8 +111,12 @@ def _sp_step(case: Case, sp: int) -> dict:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS, **case.memo)
     runner = DistributedDataParallel(model) if case.ddp else model
-    loss = runner(input_ids=case.ids, labels=case.labels, **case.kwargs).loss
-    loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ArenaWarning)  # a plan that does not fit this rank's shard would warn
+        loss = runner(input_ids=case.ids, labels=case.labels, **case.kwargs).loss
+        loss.backward()
+    if case.memo.get("planner", "off") != "off":
+        assert hf_memo.memo_runtime(model).memory_plan.meta["seq_len"] == -(-case.ids.shape[1] // sp)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()} if case.ddp else _averaged_grads(model)
     return {"loss": loss.detach(), "grads": grads}
 

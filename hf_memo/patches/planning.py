@@ -18,7 +18,8 @@ def plan_training_step(model: nn.Module, batch_size: int, seq_len: int, progress
 
     A copy of the model is built on fake tensors (same config, dtype, PEFT adapters and hf_memo
     config, no memory), one step is traced, and the trace is planned with ``MemoConfig.planner``.
-    The plan's ``meta`` records the shape it was made for.
+    The plan's ``meta`` records the shape it was made for. Under sequence parallelism, ``seq_len`` is
+    one rank's shard, profiled as a single device's step.
 
     Args:
         model: a model patched by :func:`hf_memo.apply` (or a PEFT model wrapping one).
@@ -38,7 +39,10 @@ def plan_training_step(model: nn.Module, batch_size: int, seq_len: int, progress
 
             with session.converting_modules():
                 fake = get_peft_model(fake, copy.deepcopy(next(iter(peft_config.values()))))
-        apply(fake, config.replace(planner="off"))
+        # ``seq_len`` is this rank's shard under sequence parallelism: it is profiled as one device's step
+        # (the executor's buffers hold the shard's activations; the attention statistics it keeps in the
+        # exchanged layout have the same size as the shard's).
+        apply(fake, config.replace(planner="off", sequence_parallel_size=1))
         with torch.random.fork_rng(devices=[]):
             trace = trace_training_step(fake, batch_size, seq_len, optimizer="none")
     return plan_memory(trace, solver=config.planner, time_limit=config.planner_time_limit, progress=progress)
