@@ -92,8 +92,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = tiny_config() if args.tiny else builtin_config("llama-3-8b")
     name = "tiny Llama (6 layers)" if args.tiny else "Llama-3-8B"
-    gpu_memory = 64 * 2**20 if args.tiny else 80 * GiB
-    seq_len = 4096 if args.tiny else 16384
+    gpu_memory = 24 * 2**20 if args.tiny else 80 * GiB
+    seq_len = 2048 if args.tiny else 16384
 
     start = time.perf_counter()
     result = hf_memo.estimate(config, seq_len, gpu_memory=gpu_memory, modes=MODES, keep_traces=True)
