@@ -41,7 +41,7 @@ from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import SHAPE_NAMES
 from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
-from hf_memo.units import format_bytes, parse_tokens
+from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
 HELP = "Plan the memory of one training step (offline DSA, bi-level) and compare it with PyTorch's caching allocator."
 DEFAULT_MODE = "memo"
@@ -55,6 +55,7 @@ def profile_step(
     trainable: str = "full",
     optimizer: str = "adamw",
     dtype: torch.dtype = torch.bfloat16,
+    progress: bool = False,
 ) -> AllocationTrace:
     """The allocation trace of one whole training step on ``(batch_size, seq_len)`` tokens, every layer profiled.
 
@@ -64,6 +65,7 @@ def profile_step(
         seq_len: tokens per sequence ``S`` (an int or ``"128k"``).
         mode: a mode of ``hf-memo estimate`` (:data:`hf_memo.integrations.estimate.MODES`).
         trainable, optimizer, dtype: as for :func:`hf_memo.estimate`.
+        progress: show a progress bar.
     """
     name, config = _config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -85,7 +87,12 @@ def profile_step(
 
     dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
     meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
-    return StepProfiler(config, prepare, dtype, batch_size, optimizer, meta=meta).trace(seq_len)
+    profiler = StepProfiler(config, prepare, dtype, batch_size, optimizer, meta=meta)
+    with tqdm(total=1, desc="profiling", unit="step", leave=False, disable=not progress) as bar:
+        bar.set_postfix_str(f"{name}, {mode}, all {profiler.layers} layers, S={seq_len:,}")
+        trace = profiler.trace(seq_len)
+        bar.update()
+    return trace
 
 
 @dataclass(frozen=True)
@@ -155,6 +162,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
     parser.add_argument("--solver", default="cpsat", help=f"DSA solver: {', '.join(SOLVERS)} (default cpsat)")
     parser.add_argument("--time-limit", default="10", help="seconds per DSA problem (default 10)")
+    parser.add_argument(
+        "--alignment",
+        default="512",
+        help="bytes every size is rounded up to (default 512); coarser (e.g. 1MiB) is easier to prove optimal",
+    )
     parser.add_argument("--trace", default=None, help="plan this trace file (JSON lines) instead of profiling")
     parser.add_argument("--out", default=None, help="write the plan here as JSON")
 
@@ -172,6 +184,9 @@ def _seconds(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     solver = _choice("--solver", args.solver, SOLVERS)
     time_limit = _seconds(args.time_limit)
+    alignment = _parse("--alignment", parse_bytes, args.alignment)
+    if alignment < 1:
+        raise ValueError(f"--alignment must be at least 1 byte, got {args.alignment!r}")
     began = time.perf_counter()
     if args.trace is not None:
         if args.model is not None or args.seq_len is not None:
@@ -187,12 +202,9 @@ def run(args: argparse.Namespace) -> int:
         trainable = _choice("--trainable", args.trainable, TRAINABLE)
         optimizer = _choice("--optimizer", args.optimizer, OPTIMIZERS)
         dtype = DTYPES[_choice("--dtype", args.dtype, list(DTYPES))]
-        with tqdm(total=1, desc="profiling", unit="step", leave=False) as bar:
-            bar.set_postfix_str(f"{args.model}, {mode}, S={seq_len:,}")
-            trace = profile_step(args.model, seq_len, batch_size, mode, trainable, optimizer, dtype)
-            bar.update()
+        trace = profile_step(args.model, seq_len, batch_size, mode, trainable, optimizer, dtype, progress=True)
         profile_seconds = time.perf_counter() - began
-    plan = plan_memory(trace, solver=solver, time_limit=time_limit)
+    plan = plan_memory(trace, solver=solver, time_limit=time_limit, alignment=alignment)
     print(summary(trace, plan, AllocatorComparison.of(trace, plan), profile_seconds))
     if args.out:
         plan.save(args.out)
