@@ -6,9 +6,9 @@ the smallest gap large enough (best fit) or the lowest (first fit) — or on top
 
 :func:`best_fit_offsets` is the classic rule (largest first, best fit), the ``"greedy"`` solver.
 :func:`best_greedy_offsets` runs a few orders and fits and keeps the lowest placement: the start of
-the exact solvers, which need not run at all when it reaches the lower bound. On profiled layer and
-step traces, ordering by lifetime or by size x lifetime often reaches the bound where largest-first
-does not (``benchmarks/planner_dsa.py``).
+the exact solvers, which need not run at all when it reaches the lower bound. Of 20 level-1 and
+level-2 problems of profiled Llama-3-8B and GPT-7B steps (32K and 128K tokens, memo and mini-sequence
+modes) where largest-first best fit missed the bound, the other orders and first fit reached it in 11.
 """
 
 from __future__ import annotations
