@@ -12,18 +12,22 @@ For every step trace (synthetic, or profiler trace files given with ``--trace``)
 * **whole step** — the bi-level plan (:func:`hf_memo.planner.bilevel.plan_memory`): seconds, peak
   against the step's lower bound, its level-1 and level-2 problems;
 * **caching allocator** — the same step replayed through the simulated PyTorch CUDA caching
-  allocator: peak reserved against peak requested and the plan's peak.
+  allocator: peak reserved against peak requested without a plan, with hf_memo's own buffers served
+  from the plan's arena (what the runtime does), and the plan's peak (every tensor at its offset).
 
 Synthetic traces are written by a small autograd simulator from the operator sequence of a
 Hugging Face decoder layer in bf16, batch 1 (see ``llama_layer`` / ``gpt_layer``): every op
 allocates its output, keeps what autograd saves, and frees a tensor when its last forward use
 and its last saving op's backward are done; backward allocates input gradients (a new tensor
 when two gradients are summed), weight gradients (alive until the optimizer) and workspaces.
-They follow PyTorch's rules, not a measurement: profiler traces replace them with ``--trace``.
+They follow PyTorch's rules, not a measurement: profiler traces replace them with ``--profile``
+(whole steps profiled on fake tensors, every layer, as ``hf-memo plan`` does) or ``--trace``.
 
     python benchmarks/planner_dsa.py                        # Llama-3-8B and GPT-7B, S = 32K and 128K, MIP 60 s
     python benchmarks/planner_dsa.py --quick                # MIP limited to 5 s
-    python benchmarks/planner_dsa.py --trace a.jsonl b.jsonl  # profiler traces of whole steps
+    python benchmarks/planner_dsa.py --profile llama-3-8b gpt-7b --seq-lens 32k 128k \
+        --modes hf-checkpointing memo --save-traces /tmp/traces   # profiler traces, also written as JSON lines
+    python benchmarks/planner_dsa.py --trace a.jsonl b.jsonl  # profiler trace files of whole steps
     python benchmarks/planner_dsa.py --tiny --out /tmp/x    # seconds-long smoke run
 """
 
@@ -42,15 +46,16 @@ from pathlib import Path
 
 import numpy as np
 
+from hf_memo.integrations.plan import profile_step
 from hf_memo.planner.bilevel import LAYER_PHASE, plan_memory
-from hf_memo.planner.caching_allocator import replay
+from hf_memo.planner.caching_allocator import replay, replay_with_arena
 from hf_memo.planner.cpsat import cpsat_offsets
 from hf_memo.planner.dsa import PlannerWarning, max_live, solve_dsa
 from hf_memo.planner.lifetimes import Trace
 from hf_memo.planner.mip import milp_offsets
 from hf_memo.planner.solution import find_conflict
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
-from hf_memo.units import format_tokens
+from hf_memo.units import format_bytes, format_tokens, parse_bytes, parse_tokens
 
 BF16, FP32 = 2, 4
 # Greedy places this in 6 units, the optimum is 5: solved once before timing anything.
@@ -362,20 +367,25 @@ def layer_trace(step: AllocationTrace, layer: int) -> Trace:
     return Trace.from_events([(e.op, e.tensor_id, e.size) for e in events if e.tensor_id in inside])
 
 
-def solve(trace: Trace, solver: str, time_limit: float, workers: int) -> dict:
+def solve(trace: Trace, solver: str, time_limit: float, workers: int, alignment: int = 512) -> dict:
     """The planner's own path (:func:`solve_dsa`: reductions, greedy first, exact solver only if needed)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlannerWarning)
-        solution = solve_dsa(trace, solver, time_limit=time_limit, workers=workers)
-    return {**solution.stats(), "warnings": [str(w.message) for w in caught]}
+        solution = solve_dsa(trace, solver, time_limit=time_limit, alignment=alignment, workers=workers)
+    finest = trace.lower_bound(512)
+    return {
+        **solution.stats(),
+        "peak_over_512_lower_bound": round(solution.peak / finest, 6) if finest else 1.0,
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
-def solve_alone(trace: Trace, solver: str, time_limit: float, workers: int) -> dict:
+def solve_alone(trace: Trace, solver: str, time_limit: float, workers: int, alignment: int = 512) -> dict:
     """The exact model by itself, as MEMO ran its MIP: no reductions, no greedy; its upper bound is all
     tensors stacked on each other (``M`` of the big-M model)."""
     start = np.array([life.start for life in trace.lifetimes], dtype=np.int64)
     end = np.array([life.end for life in trace.lifetimes], dtype=np.int64)
-    size = np.array([-(-life.size // 512) for life in trace.lifetimes], dtype=np.int64)
+    size = np.array([-(-life.size // alignment) for life in trace.lifetimes], dtype=np.int64)
     stacked = np.concatenate(([0], np.cumsum(size)[:-1]))
     lower = max_live(start, end, size)
     began = time.perf_counter()
@@ -398,17 +408,19 @@ def solve_alone(trace: Trace, solver: str, time_limit: float, workers: int) -> d
     return {"found": True, "ratio": ratio, "optimal": result.proven, "seconds": seconds, "status": str(result.status)}
 
 
-def compare_solvers(trace: Trace, time_limit: float, mip_limit: float, workers: int) -> dict:
-    """The planner, the greedy, and CP-SAT and the MIP alone on one trace."""
-    row = {"tensors": len(trace), "lower_bound": trace.lower_bound(512)}
-    row["planner"] = solve(trace, "cpsat", time_limit, workers)
-    row["greedy"] = solve(trace, "greedy", time_limit, workers)
-    row["cpsat_alone"] = solve_alone(trace, "cpsat", time_limit, workers)
-    row["mip_alone"] = solve_alone(trace, "mip", mip_limit, workers) if mip_limit > 0 else None
+def compare_solvers(trace: Trace, time_limit: float, mip_limit: float, workers: int, alignment: int = 512) -> dict:
+    """The planner, the greedy, and CP-SAT and the MIP alone on one trace (sizes in units of ``alignment``)."""
+    row = {"tensors": len(trace), "lower_bound": trace.lower_bound(alignment)}
+    row["planner"] = solve(trace, "cpsat", time_limit, workers, alignment)
+    row["greedy"] = solve(trace, "greedy", time_limit, workers, alignment)
+    row["cpsat_alone"] = solve_alone(trace, "cpsat", time_limit, workers, alignment)
+    row["mip_alone"] = solve_alone(trace, "mip", mip_limit, workers, alignment) if mip_limit > 0 else None
     return row
 
 
-def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, workers: int) -> dict:
+def benchmark_step(
+    step: AllocationTrace, mip_limit: float, time_limit: float, workers: int, alignment: int = 512
+) -> dict:
     layer_ids = sorted({int(m.group(1)) for e in step.events if (m := LAYER_PHASE.match(e.phase))})
     distinct: dict[str, list[int]] = {}
     traces = {}
@@ -418,14 +430,15 @@ def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, w
         distinct.setdefault(trace.fingerprint(), []).append(layer)
     layers = []
     for members in distinct.values():
-        row = {"layers": members, **compare_solvers(traces[members[0]], time_limit, mip_limit, workers)}
+        row = {"layers": members, **compare_solvers(traces[members[0]], time_limit, mip_limit, workers, alignment)}
         layers.append(row)
         print(f"  layers {members[0]}..{members[-1]}: {_summary_line(row)}", flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", PlannerWarning)
-        plan = plan_memory(step, time_limit=time_limit, workers=workers, progress=False)
+        plan = plan_memory(step, time_limit=time_limit, alignment=alignment, workers=workers, progress=False)
     device = Trace.from_allocations(step)
     allocator = replay(device).summary()
+    with_arena = replay_with_arena(device, plan.arena_size).summary()
     print(f"  step: {plan.summary()}".replace("\n", "\n  "), flush=True)
     return {
         "meta": step.meta,
@@ -436,15 +449,30 @@ def benchmark_step(step: AllocationTrace, mip_limit: float, time_limit: float, w
             "peak": plan.peak,
             "lower_bound": plan.lower_bound,
             "ratio": plan.peak / plan.lower_bound,
+            "peak_over_512_lower_bound": plan.peak / device.lower_bound(512),
             "tensors": plan.stats["tensors"],
             "local_tensors": plan.stats["local_tensors"],
             "segments": plan.stats["segments"],
+            "arena_size": plan.arena_size,
+            "arena": plan.stats["arena"],
             "level1": plan.stats["level1"],
             "level2": plan.stats["level2"],
             "warnings": [str(w.message) for w in caught],
         },
-        "caching_allocator": {**allocator, "reserved_over_plan_peak": allocator["peak_reserved"] / plan.peak},
+        "caching_allocator": {
+            **allocator,
+            "reserved_over_plan_peak": allocator["peak_reserved"] / plan.peak,
+            "plan_peak_over_requested": plan.peak / allocator["peak_requested"],
+            "with_arena": with_arena,
+        },
     }
+
+
+def _trace_name(meta: dict, fallback: str) -> str:
+    """``"llama-3-8b S=128K memo"`` for a profiled step (its meta names model, length and mode), else ``fallback``."""
+    if not {"model", "seq_len", "mode"} <= set(meta):
+        return fallback
+    return f"{meta['model']} S={format_tokens(int(meta['seq_len']))} {meta['mode']}"
 
 
 def _summary_line(row: dict) -> str:
@@ -463,7 +491,8 @@ def _alone(result: dict) -> str:
 
 def _solver_cells(row: dict) -> str:
     p, g = row["planner"], row["greedy"]
-    cells = [f"{p['ratio']:.4f}", str(p["optimal"]), f"{p['seconds']:.2f}", f"{g['ratio']:.4f}", f"{g['seconds']:.3f}"]
+    cells = [f"{p['ratio']:.4f}", str(p["optimal"]), f"{p['seconds']:.2f}"]
+    cells += [f"{p.get('peak_over_512_lower_bound', p['ratio']):.4f}", f"{g['ratio']:.4f}", f"{g['seconds']:.3f}"]
     for alone in (row["cpsat_alone"], row["mip_alone"]):
         if alone is None:
             cells += ["-", "-", "-"]
@@ -475,7 +504,8 @@ def _solver_cells(row: dict) -> str:
 
 
 SOLVER_HEADER = (
-    "planner peak/LB | proven | planner s | greedy peak/LB | greedy s | CP-SAT alone peak/LB | proven | "
+    "planner peak/LB | proven | planner s | planner peak/512-B LB | greedy peak/LB | greedy s | "
+    "CP-SAT alone peak/LB | proven | "
     "CP-SAT alone s | MIP alone peak/LB | proven | MIP alone s"
 )
 
@@ -485,14 +515,15 @@ def markdown(results: dict) -> str:
     lines = [
         f"Source: {results['source']}. Machine: {results['machine']}, {results['cpus']} CPUs; CP-SAT with "
         f"{results['workers']} workers and {results['time_limit']} s per problem; MIP (HiGHS, big-M) "
-        f"{results['mip_limit']} s. Sizes rounded up to 512 B; LB = most bytes live at once. The first CP-SAT "
+        f"{results['mip_limit']} s. Sizes rounded up to {format_bytes(results.get('alignment', 512))}; LB = most "
+        "bytes live at once (at that rounding); 512-B LB = the same with sizes rounded up to 512 B. The first CP-SAT "
         f"solve of a process loads OR-Tools ({results['ortools_first_solve_seconds']} s, not in the times below).",
         "",
         "**Layer traces**: one decoder layer's forward + backward (tensors allocated and freed inside it, "
         "saved activations included); identical layers are solved once.",
         "",
         f"| trace | layers | tensors | LB (GiB) | {SOLVER_HEADER} |",
-        "|---|---|---|---|" + "---|" * 11,
+        "|---|---|---|---|" + "---|" * 12,
     ]
     for name, run in results["runs"].items():
         for row in run["layer_traces"]:
@@ -505,22 +536,46 @@ def markdown(results: dict) -> str:
         "",
         "**Whole step**: the bi-level plan, and the simulated PyTorch CUDA caching allocator on the same trace.",
         "",
-        "| trace | tensors | plan s | plan peak (GiB) | step LB (GiB) | plan/LB | level-1 problems | level-1 max s | "
-        "level-2 tensors | level-2 peak/LB | level-2 proven | allocator reserved (GiB) | reserved/plan peak | "
-        "allocator segments |",
+        "| trace | tensors | plan s | plan peak (GiB) | step LB (GiB) | plan/LB | plan/512-B LB | level-1 problems | "
+        "level-1 max s | level-2 tensors | level-2 peak/LB | level-2 proven | level-2 s | arena (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in results["runs"].items():
-        plan, alloc = run["plan"], run["caching_allocator"]
+        plan = run["plan"]
         level1_max = max((level["seconds"] for level in plan["level1"]), default=0.0)
         all_optimal = all(level["optimal"] for level in plan["level1"])
         lines.append(
             f"| {name} | {plan['tensors']} | {plan['seconds']:.2f} | {plan['peak'] / gib:.2f} | "
-            f"{plan['lower_bound'] / gib:.2f} | {plan['ratio']:.4f} | {len(plan['level1'])} "
+            f"{plan['lower_bound'] / gib:.2f} | {plan['ratio']:.4f} | "
+            f"{plan.get('peak_over_512_lower_bound', plan['ratio']):.4f} | {len(plan['level1'])} "
             f"({'all proven optimal' if all_optimal else 'not all proven'}) | {level1_max:.2f} | "
             f"{plan['level2']['tensors']} | {plan['level2']['ratio']:.4f} | {plan['level2']['optimal']} | "
-            f"{alloc['peak_reserved'] / gib:.2f} | {alloc['reserved_over_plan_peak']:.4f} | "
-            f"{alloc['segment_allocations']} |"
+            f"{plan['level2']['seconds']:.2f} | {plan.get('arena_size', 0) / gib:.2f} |"
+        )
+    lines += [
+        "",
+        "**Caching allocator** (simulated replay of PyTorch's CUDA caching allocator, default settings) on the "
+        "same trace: peak reserved / peak requested without a plan; with hf_memo's own buffers served from the "
+        "plan's arena and every other tensor from the caching allocator (what the runtime does); and the plan's "
+        "peak / peak requested if every tensor sat at its planned offset.",
+        "",
+        "| trace | requested (GiB) | reserved, no plan (GiB) | reserved/requested, no plan | segments, no plan | "
+        "reserved, arena (GiB) | reserved/requested, arena | plan peak/requested |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in results["runs"].items():
+        alloc = run["caching_allocator"]
+        arena = alloc.get("with_arena")
+        arena_cells = (
+            "- | -"
+            if arena is None
+            else (f"{arena['peak_reserved'] / gib:.2f} | {arena['reserved_over_requested']:.4f}")
+        )
+        plan_over = alloc.get("plan_peak_over_requested", run["plan"]["peak"] / alloc["peak_requested"])
+        lines.append(
+            f"| {name} | {alloc['peak_requested'] / gib:.2f} | {alloc['peak_reserved'] / gib:.2f} | "
+            f"{alloc['reserved_over_requested']:.4f} | {alloc['segment_allocations']} | {arena_cells} | "
+            f"{plan_over:.4f} |"
         )
     if results.get("irregular"):
         lines += [
@@ -528,7 +583,7 @@ def markdown(results: dict) -> str:
             "**Irregular traces** (stress case, not layer-like: frees in random order; `irregular_trace`).",
             "",
             f"| seed | tensors | LB (KiB) | {SOLVER_HEADER} | planner, 2 workers: s |",
-            "|---|---|---|" + "---|" * 12,
+            "|---|---|---|" + "---|" * 13,
         ]
         for row in results["irregular"]:
             two = row["planner_2_workers"]
@@ -542,21 +597,49 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=Path, nargs="+", help="profiler trace files (JSON lines) of whole steps")
+    parser.add_argument("--profile", nargs="+", help="profile whole steps of these models (built-in names) instead")
+    parser.add_argument("--seq-lens", nargs="+", default=["32k", "128k"], help="with --profile (default 32k 128k)")
+    parser.add_argument(
+        "--modes", nargs="+", default=["hf-checkpointing", "memo"], help="with --profile: hf-memo estimate modes"
+    )
     parser.add_argument("--quick", action="store_true", help="MIP limited to 5 s per layer trace instead of 60 s")
     parser.add_argument("--tiny", action="store_true", help="tiny synthetic model, seconds-long smoke run")
     parser.add_argument("--mip-limit", type=float, default=None, help="seconds for the MIP (0 skips it)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per CP-SAT problem")
     parser.add_argument("--workers", type=int, default=1, help="CP-SAT threads")
-    parser.add_argument("--save-traces", type=Path, default=None, help="also write the synthetic traces here")
+    parser.add_argument("--alignment", default="512", help="bytes sizes are rounded up to (default 512), e.g. 1MiB")
+    parser.add_argument("--save-traces", type=Path, default=None, help="also write the synthetic/profiled traces here")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
     args = parser.parse_args()
 
     date = datetime.date.today().isoformat()
     out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
     out.mkdir(parents=True, exist_ok=True)
+    alignment = parse_bytes(args.alignment)
     mip_limit = args.mip_limit if args.mip_limit is not None else (5.0 if args.quick or args.tiny else 60.0)
+    source = "synthetic traces (see the script's docstring)"
     if args.trace:
-        steps = {path.stem: AllocationTrace.load(path) for path in args.trace}
+        source = "profiler trace files"
+        steps = {}
+        for path in args.trace:
+            trace = AllocationTrace.load(path)
+            steps[_trace_name(trace.meta, path.stem)] = trace
+    elif args.profile:
+        source = "profiler traces (every layer profiled on fake tensors, hf_memo.integrations.plan.profile_step)"
+        steps, profile_seconds = {}, {}
+        for model in args.profile:
+            for seq_len in map(parse_tokens, args.seq_lens):
+                for mode in args.modes:
+                    began = time.perf_counter()
+                    trace = profile_step(model, seq_len, mode=mode)
+                    name = _trace_name(trace.meta, model)
+                    profile_seconds[name] = round(time.perf_counter() - began, 2)
+                    print(f"profiled {name} in {profile_seconds[name]} s ({len(trace.events)} events)", flush=True)
+                    steps[name] = trace
+        if args.save_traces:
+            args.save_traces.mkdir(parents=True, exist_ok=True)
+            for name, step in steps.items():
+                step.save(args.save_traces / f"{name.replace(' ', '_').replace('=', '')}.jsonl")
     else:
         models, seq_lens = (["tiny-llama"], [512]) if args.tiny else (["llama-3-8b", "gpt-7b"], [32768, 131072])
         steps = {
@@ -576,7 +659,8 @@ def main() -> None:
         "workers": args.workers,
         "time_limit": args.time_limit,
         "mip_limit": mip_limit,
-        "source": "profiler traces" if args.trace else "synthetic traces (see the script's docstring)",
+        "alignment": alignment,
+        "source": source,
         "runs": {},
     }
     began = time.perf_counter()  # the first CP-SAT solve of a process loads OR-Tools: timed apart
@@ -584,8 +668,10 @@ def main() -> None:
     results["ortools_first_solve_seconds"] = round(time.perf_counter() - began, 3)
     for name, step in steps.items():
         print(name, flush=True)
-        results["runs"][name] = benchmark_step(step, mip_limit, args.time_limit, args.workers)
-    if not args.trace:
+        results["runs"][name] = benchmark_step(step, mip_limit, args.time_limit, args.workers, alignment)
+        if args.profile:
+            results["runs"][name]["profile_seconds"] = profile_seconds[name]
+    if not (args.trace or args.profile):
         results["irregular"] = []
         for seed in range(2 if args.tiny else 5):
             trace = irregular_trace(seed, 40 if args.tiny else 150)
@@ -593,7 +679,8 @@ def main() -> None:
             row["planner_2_workers"] = solve(trace, "cpsat", args.time_limit, 2)
             print(f"irregular {seed}: {_summary_line(row)}", flush=True)
             results["irregular"].append(row)
-    stem = "planner_dsa" + ("_traces" if args.trace else "")
+    stem = "planner_dsa" + ("_traces" if args.trace else "_profiled" if args.profile else "")
+    stem += "" if alignment == 512 else f"_align{format_bytes(alignment).replace(' ', '').replace('.00', '')}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     (out / f"{stem}.md").write_text(markdown(results))
     print(f"wrote {out / stem}.json and .md")

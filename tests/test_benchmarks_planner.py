@@ -34,3 +34,33 @@ def test_planner_benchmark_runs_on_synthetic_traces_and_on_trace_files(tmp_path)
     assert saved[0].stem == "tiny-llama_S512"
     assert from_file["runs"]["tiny-llama_S512"]["plan"]["peak"] == results["runs"]["tiny-llama S=512"]["plan"]["peak"]
     assert "irregular" not in from_file
+
+
+def test_planner_benchmark_profiles_whole_steps_and_compares_the_allocator_with_the_arena(tmp_path):
+    from tests.test_profiler_step import CONFIGS
+
+    CONFIGS["llama"](5).save_pretrained(tmp_path)
+    config = str(tmp_path / "config.json")
+    command = [sys.executable, str(SCRIPT), "--profile", config, "--seq-lens", "64", "--modes", "hf-checkpointing"]
+    command += [
+        "memo",
+        "--mip-limit",
+        "0",
+        "--alignment",
+        "4KiB",
+        "--out",
+        str(tmp_path),
+        "--save-traces",
+        str(tmp_path),
+    ]
+    subprocess.run(command, check=True, capture_output=True)
+    results = json.loads((tmp_path / "planner_dsa_profiled_align4KiB.json").read_text())
+    assert set(results["runs"]) == {f"{config} S=64 hf-checkpointing", f"{config} S=64 memo"}
+    assert results["alignment"] == 4096
+    memo = results["runs"][f"{config} S=64 memo"]
+    assert memo["profile_seconds"] > 0 and memo["plan"]["arena_size"] > 0
+    assert memo["plan"]["peak_over_512_lower_bound"] >= memo["plan"]["ratio"] >= 1  # 4 KiB rounding costs bytes
+    allocator = memo["caching_allocator"]
+    assert allocator["with_arena"]["peak_requested"] >= allocator["peak_requested"] - memo["plan"]["arena_size"]
+    assert allocator["plan_peak_over_requested"] == memo["plan"]["peak"] / allocator["peak_requested"]
+    assert len(list(tmp_path.glob("*.jsonl"))) == 2

@@ -4,7 +4,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from hf_memo.planner.caching_allocator import CachingAllocator, replay, round_request, segment_size
+from hf_memo.planner.caching_allocator import (
+    CachingAllocator,
+    replay,
+    replay_with_arena,
+    round_request,
+    segment_size,
+)
 from hf_memo.planner.lifetimes import Trace
 from tests.planner_traces import traces
 
@@ -115,3 +121,17 @@ def test_replay_matches_the_real_cuda_caching_allocator():
     assert result.allocated == allocated
     assert result.reserved == reserved
     assert result.segment_allocations == segments
+
+
+def test_named_buffers_come_from_one_arena_allocated_first():
+    # Two owned 12 MiB buffers, one after the other, around a plain 30 MiB tensor that outlives the first.
+    events = [("malloc", 1, 12 * MiB), ("malloc", 2, 30 * MiB), ("free", 1, 12 * MiB)]
+    events += [("malloc", 3, 12 * MiB), ("free", 3, 12 * MiB), ("free", 2, 30 * MiB)]
+    trace = Trace.from_events(events, names={1: "rounding 0", 3: "rounding 1"})
+    plain = replay(trace)
+    assert (plain.peak_requested, plain.peak_reserved, plain.segment_allocations) == (42 * MiB, 42 * MiB, 2)
+    served = replay_with_arena(trace, 12 * MiB)  # the plan lays both buffers over the same 12 MiB
+    assert served.requested[0] == 12 * MiB  # the arena comes first and stays
+    assert (served.peak_requested, served.peak_reserved, served.segment_allocations) == (42 * MiB, 42 * MiB, 2)
+    assert len(served.requested) == 3  # the arena, the plain tensor's malloc and free; owned buffers never ask
+    assert replay_with_arena(trace, 0).peak_requested == 30 * MiB

@@ -198,3 +198,15 @@ def test_mip_on_a_small_trace_matches_cpsat():
     cpsat = solve_dsa(trace, "cpsat", alignment=1)
     assert mip.peak == cpsat.peak == brute_force_optimum(trace)
     assert mip.optimal and mip.solver == "mip"
+
+
+@settings(max_examples=30, deadline=None)
+@given(traces(max_tensors=6, sizes=(1, 2, 3)))
+def test_sizes_with_a_common_factor_are_solved_in_units_of_it_without_losing_the_optimum(trace):
+    unit = 3 * 4096
+    scaled = Trace(
+        [Lifetime(life.tensor_id, life.size * unit, life.start, life.end) for life in trace.lifetimes], trace.length
+    )
+    solution = quiet_solve(scaled, "cpsat", alignment=1, time_limit=5)
+    assert solution.peak == unit * brute_force_optimum(trace) and solution.optimal
+    assert check_placement(scaled, solution.offsets) == solution.peak

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hf_memo.integrations import demo, estimate
+from hf_memo.integrations import demo, estimate, plan
 
-SUBCOMMANDS = {"demo": demo, "estimate": estimate}
+SUBCOMMANDS = {"demo": demo, "estimate": estimate, "plan": plan}
 
 
 def build_parser() -> argparse.ArgumentParser:

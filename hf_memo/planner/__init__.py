@@ -2,7 +2,7 @@
 replay of PyTorch's caching allocator to compare against."""
 
 from hf_memo.planner.bilevel import plan_fingerprint, plan_memory
-from hf_memo.planner.caching_allocator import AllocatorReplay, replay
+from hf_memo.planner.caching_allocator import AllocatorReplay, replay, replay_with_arena
 from hf_memo.planner.dsa import SOLVERS, PlannerWarning, solve_dsa
 from hf_memo.planner.lifetimes import Lifetime, Trace
 from hf_memo.planner.plan import MemoryPlan
@@ -20,5 +20,6 @@ __all__ = [
     "plan_fingerprint",
     "plan_memory",
     "replay",
+    "replay_with_arena",
     "solve_dsa",
 ]

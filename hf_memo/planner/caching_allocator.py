@@ -24,7 +24,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_memo.planner.lifetimes import Trace
+from hf_memo.planner.lifetimes import Lifetime, Trace
 
 MIN_BLOCK = 512
 SMALL_REQUEST = 1 << 20  # largest request of the small pool
@@ -217,3 +217,14 @@ def replay(trace: Trace, capacity: int | None = None) -> AllocatorReplay:
         allocator.alloc_retries,
         out_of_memory_at,
     )
+
+
+def replay_with_arena(trace: Trace, arena_size: int) -> AllocatorReplay:
+    """Replay ``trace`` as the runtime runs it with a plan: its named tensors (the buffers hf_memo owns)
+    are views of one arena of ``arena_size`` bytes, allocated before everything else and never freed;
+    every other tensor goes through the caching allocator as before."""
+    lives = [life for life in trace.lifetimes if life.tensor_id not in trace.names]
+    if arena_size > 0 and trace.length > 0:
+        arena_id = min((life.tensor_id for life in trace.lifetimes), default=0) - 1  # first of the mallocs at 0
+        lives.append(Lifetime(arena_id, arena_size, 0, trace.length))
+    return replay(Trace(lives, trace.length))

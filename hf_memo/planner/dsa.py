@@ -26,7 +26,7 @@ import numpy as np
 
 from hf_memo.planner.cpsat import cpsat_offsets
 from hf_memo.planner.exact import ExactResult, SolverUnavailable
-from hf_memo.planner.greedy import best_fit_offsets
+from hf_memo.planner.greedy import best_fit_offsets, best_greedy_offsets
 from hf_memo.planner.lifetimes import Trace
 from hf_memo.planner.mip import gurobi_offsets, milp_offsets
 from hf_memo.planner.solution import DSASolution, check_placement, find_conflict
@@ -106,8 +106,21 @@ def _exact(search: _Search, solver: str, start, end, size, hint, floor) -> Exact
 
 
 def _solve_leaf(search: _Search, start, end, size, floor: int) -> _Placed:
-    """One group without reducible structure: greedy, then the exact solver if it can still matter."""
-    greedy = best_fit_offsets(start, end, size)
+    """One group without reducible structure, in units of the gcd of its sizes (see :func:`_solve_scaled`)."""
+    unit = int(np.gcd.reduce(size))
+    placed = _solve_scaled(search, start, end, size // unit, -(-floor // unit))
+    return _Placed(placed.offsets * unit, placed.peak * unit, placed.bound * unit)
+
+
+def _solve_scaled(search: _Search, start, end, size, floor: int) -> _Placed:
+    """Greedy, then the exact solver if it can still matter.
+
+    Called with sizes divided by their gcd ``g``: exact, since pushing every box down as far as it goes
+    (lowest first) keeps a placement valid and its peak, and leaves every offset a sum of sizes, a
+    multiple of ``g``. Layer tensors are multiples of large powers of two, so the solver's numbers
+    shrink by orders of magnitude.
+    """
+    greedy = (best_fit_offsets if search.solver == "greedy" else best_greedy_offsets)(start, end, size)
     greedy_peak = int((greedy + size).max())
     lower = max_live(start, end, size)
     floor = max(floor, lower)
