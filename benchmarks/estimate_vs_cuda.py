@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_memo.integrations.estimate import MODES
+from hf_memo.integrations.setups import MODES
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.footprint import StepProfiler, with_layers
 from hf_memo.profiler.gpu import cuda_training_step_trace, offload_inputs

@@ -6,7 +6,8 @@ import pytest
 from transformers import GPT2LMHeadModel
 
 from hf_memo.integrations import cli
-from hf_memo.integrations.estimate import MODES, Mode, estimate
+from hf_memo.integrations.estimate import estimate
+from hf_memo.integrations.setups import MODES, Mode
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.placement import mark_host

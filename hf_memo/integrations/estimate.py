@@ -1,8 +1,7 @@
 """``hf_memo.estimate`` and ``hf-memo estimate``: peak memory of a training step and the longest sequence that fits.
 
-Every setup ("mode") is profiled on fake tensors, so any model and any sequence length is estimated
-on a CPU in seconds, without its weights. A mode is one entry of :data:`MODES`: a function that
-configures the freshly built model (checkpointing, ``hf_memo.apply``, ...). Bytes the profile
+Every setup ("mode", see :mod:`hf_memo.integrations.setups`) is profiled on fake tensors, so any model
+and any sequence length is estimated on a CPU in seconds, without its weights. Bytes the profile
 finds on the host (offloaded tensors) count as host memory, everything else as device memory.
 """
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,68 +19,29 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-import hf_memo
-from hf_memo.patches.apply import causal_lm_of
+from hf_memo.integrations.setups import (
+    DEFAULT_MODES,
+    DTYPES,
+    LORA_RANK,
+    MODES,
+    POSITION_LIMITS,
+    TRAINABLE,
+    choice,
+    config_of,
+    parse,
+    positive_int,
+    with_lora,
+)
 from hf_memo.profiler.fake_model import FakeSession
-from hf_memo.profiler.footprint import PROFILE_LAYERS, Footprint, StepProfiler
+from hf_memo.profiler.footprint import Footprint, StepProfiler
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.search import longest_fitting
-from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
+from hf_memo.profiler.shapes import SHAPE_NAMES
 from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
 HELP = "Estimate peak GPU and host memory of a training step per mode, and the longest sequence that fits."
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A training setup: ``configure(model, host_memory)`` turns the bare model into the one trained."""
-
-    description: str
-    configure: Callable[[nn.Module, int | None], None]
-    profile_layers: tuple[int, int] = PROFILE_LAYERS
-
-
-def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _minseq(model: nn.Module, host_memory: int | None) -> None:
-    _hf_checkpointing(model, host_memory)
-    hf_memo.apply(model)
-
-
-UNLIMITED_HOST = 2**50
-
-
-def _memo(model: nn.Module, host_memory: int | None) -> None:
-    # alpha = 0: the device peak hardly depends on alpha (offloaded tokens end up on the host, the others keep
-    # nothing), and the host memory shown is memo's minimum: each swapped layer's input and attention output.
-    limit = UNLIMITED_HOST if host_memory is None else host_memory
-    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=limit)
-
-
-MODES: dict[str, Mode] = {
-    "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
-    "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
-    "minseq": Mode("hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing", _minseq),
-    "memo": Mode(
-        "hf_memo.apply(recompute='memo'): MEMO executor, layer inputs and attention outputs on the host",
-        _memo,
-        profile_layers=(4, 5),  # the first depth with both rounding buffers and two device-resident layers
-    ),
-}
-DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
-TRAINABLE = ("full", "lora")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-LORA_RANK = 8
-# Families whose learned position table caps the sequence length: model_type -> config field.
-_POSITION_LIMITS = {"gpt2": "n_positions"}
 
 
 @dataclass(frozen=True)
@@ -172,41 +132,6 @@ def _longest(result: ModeEstimate) -> str:
     return ("≥ " if result.longest_is_search_limit else "") + f"{result.longest_seq_len:,}"
 
 
-def _config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str, PretrainedConfig]:
-    if isinstance(model_or_config, str):
-        return model_or_config, load_config(model_or_config)
-    if isinstance(model_or_config, PretrainedConfig):
-        config = model_or_config
-    elif isinstance(model_or_config, nn.Module):
-        config = causal_lm_of(model_or_config).config
-    else:
-        raise ValueError(
-            f"model_or_config must be a built-in model name ({', '.join(SHAPE_NAMES)}), a path to a config.json, "
-            f"a PretrainedConfig or a model, got {type(model_or_config).__name__}"
-        )
-    name = getattr(config, "_name_or_path", "") or config.model_type
-    return name, check_decoder_lm(config, name)
-
-
-def _with_lora(model: nn.Module, session: FakeSession) -> nn.Module:
-    """``model`` wrapped by PEFT LoRA (rank 8 on PEFT's default target modules for its family)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ValueError("trainable='lora' needs the peft package (pip install peft)") from None
-    with session.converting_modules():
-        try:
-            return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="CAUSAL_LM"))
-        except ValueError as error:
-            raise ValueError(f"PEFT cannot add LoRA to {type(model).__name__}: {error}") from None
-
-
-def _choice(name: str, value: Any, accepted: Sequence[str]) -> Any:
-    if value not in accepted:
-        raise ValueError(f"{name} must be one of {', '.join(accepted)}, got {value!r}")
-    return value
-
-
 def estimate(
     model_or_config: str | PretrainedConfig | nn.Module,
     seq_len: int | str,
@@ -238,7 +163,7 @@ def estimate(
         keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` in ``Estimate.traces``.
         progress: show a progress bar.
     """
-    name, config = _config_of(model_or_config)
+    name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
     gpu_bytes = parse_bytes(gpu_memory)
     host_bytes = None if host_memory is None else parse_bytes(host_memory)
@@ -246,13 +171,13 @@ def estimate(
         raise ValueError(f"gpu_memory must be positive, got {gpu_memory!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    _choice("trainable", trainable, TRAINABLE)
-    _choice("optimizer", optimizer, OPTIMIZERS)
+    choice("trainable", trainable, TRAINABLE)
+    choice("optimizer", optimizer, OPTIMIZERS)
     if not modes:
         raise ValueError(f"modes must name at least one of {', '.join(MODES)}")
     for mode in modes:
-        _choice("mode", mode, list(MODES))
-    limit_field = _POSITION_LIMITS.get(config.model_type)
+        choice("mode", mode, list(MODES))
+    limit_field = POSITION_LIMITS.get(config.model_type)
     search_limit = getattr(config, limit_field) if limit_field else 1 << 24
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
@@ -266,7 +191,7 @@ def estimate(
 
             def prepare(model: nn.Module, session: FakeSession, mode: str = mode) -> nn.Module:
                 if trainable == "lora":
-                    model = _with_lora(model, session)
+                    model = with_lora(model, session)
                 MODES[mode].configure(model, host_bytes)
                 return model
 
@@ -336,30 +261,20 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-dir", default=None, help="write each mode's allocation trace here as JSON lines")
 
 
-def _positive_int(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {text!r}")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
-        _choice("--modes", mode, list(MODES))
+        choice("--modes", mode, list(MODES))
     result = estimate(
         args.model,
-        _parse("--seq-len", parse_tokens, args.seq_len),
-        gpu_memory=_parse("--gpu-memory", parse_bytes, args.gpu_memory),
-        host_memory=None if args.host_memory is None else _parse("--host-memory", parse_bytes, args.host_memory),
-        batch_size=_positive_int("--batch", args.batch),
-        trainable=_choice("--trainable", args.trainable, TRAINABLE),
-        optimizer=_choice("--optimizer", args.optimizer, OPTIMIZERS),
+        parse("--seq-len", parse_tokens, args.seq_len),
+        gpu_memory=parse("--gpu-memory", parse_bytes, args.gpu_memory),
+        host_memory=None if args.host_memory is None else parse("--host-memory", parse_bytes, args.host_memory),
+        batch_size=positive_int("--batch", args.batch),
+        trainable=choice("--trainable", args.trainable, TRAINABLE),
+        optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
         modes=modes,
-        dtype=DTYPES[_choice("--dtype", args.dtype, list(DTYPES))],
+        dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
         search=not args.no_search,
         keep_traces=bool(args.plot or args.trace_dir),
     )
@@ -381,10 +296,3 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"Timeline plot: {args.plot}")
     return 0
-
-
-def _parse(name: str, parser: Callable[[str], int], text: str) -> int:
-    try:
-        return parser(text)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None

@@ -20,16 +20,16 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from hf_memo.integrations.estimate import (
-    _POSITION_LIMITS,
+from hf_memo.integrations.setups import (
     DTYPES,
     MODES,
+    POSITION_LIMITS,
     TRAINABLE,
-    _choice,
-    _config_of,
-    _parse,
-    _positive_int,
-    _with_lora,
+    choice,
+    config_of,
+    parse,
+    positive_int,
+    with_lora,
 )
 from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.caching_allocator import AllocatorReplay, replay, replay_with_arena
@@ -67,21 +67,21 @@ def profile_step(
         trainable, optimizer, dtype: as for :func:`hf_memo.estimate`.
         progress: show a progress bar.
     """
-    name, config = _config_of(model_or_config)
+    name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    _choice("mode", mode, list(MODES))
-    _choice("trainable", trainable, TRAINABLE)
-    _choice("optimizer", optimizer, OPTIMIZERS)
-    limit_field = _POSITION_LIMITS.get(config.model_type)
+    choice("mode", mode, list(MODES))
+    choice("trainable", trainable, TRAINABLE)
+    choice("optimizer", optimizer, OPTIMIZERS)
+    limit_field = POSITION_LIMITS.get(config.model_type)
     if limit_field and seq_len > getattr(config, limit_field):
         limit = getattr(config, limit_field)
         raise ValueError(f"{name} has learned positions for at most {limit:,} tokens, got seq_len {seq_len:,}")
 
     def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
         if trainable == "lora":
-            model = _with_lora(model, session)
+            model = with_lora(model, session)
         MODES[mode].configure(model, None)
         return model
 
@@ -182,9 +182,9 @@ def _seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    solver = _choice("--solver", args.solver, SOLVERS)
+    solver = choice("--solver", args.solver, SOLVERS)
     time_limit = _seconds(args.time_limit)
-    alignment = _parse("--alignment", parse_bytes, args.alignment)
+    alignment = parse("--alignment", parse_bytes, args.alignment)
     if alignment < 1:
         raise ValueError(f"--alignment must be at least 1 byte, got {args.alignment!r}")
     began = time.perf_counter()
@@ -196,12 +196,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.model is None or args.seq_len is None:
             raise ValueError("give --model and --seq-len (or --trace with a saved trace)")
-        seq_len = _parse("--seq-len", parse_tokens, args.seq_len)
-        batch_size = _positive_int("--batch", args.batch)
-        mode = _choice("--mode", args.mode, list(MODES))
-        trainable = _choice("--trainable", args.trainable, TRAINABLE)
-        optimizer = _choice("--optimizer", args.optimizer, OPTIMIZERS)
-        dtype = DTYPES[_choice("--dtype", args.dtype, list(DTYPES))]
+        seq_len = parse("--seq-len", parse_tokens, args.seq_len)
+        batch_size = positive_int("--batch", args.batch)
+        mode = choice("--mode", args.mode, list(MODES))
+        trainable = choice("--trainable", args.trainable, TRAINABLE)
+        optimizer = choice("--optimizer", args.optimizer, OPTIMIZERS)
+        dtype = DTYPES[choice("--dtype", args.dtype, list(DTYPES))]
         trace = profile_step(args.model, seq_len, batch_size, mode, trainable, optimizer, dtype, progress=True)
         profile_seconds = time.perf_counter() - began
     plan = plan_memory(trace, solver=solver, time_limit=time_limit, alignment=alignment)

@@ -1,0 +1,123 @@
+"""Training setups profiled on fake tensors: the modes, the model to profile, and shared argument checks.
+
+Used by ``hf-memo estimate`` and ``hf-memo plan``. A mode is one entry of :data:`MODES`: a function that
+configures the freshly built model (checkpointing, ``hf_memo.apply``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+import hf_memo
+from hf_memo.patches.apply import causal_lm_of
+from hf_memo.profiler.fake_model import FakeSession
+from hf_memo.profiler.footprint import PROFILE_LAYERS
+from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A training setup: ``configure(model, host_memory)`` turns the bare model into the one trained."""
+
+    description: str
+    configure: Callable[[nn.Module, int | None], None]
+    profile_layers: tuple[int, int] = PROFILE_LAYERS
+
+
+def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _minseq(model: nn.Module, host_memory: int | None) -> None:
+    _hf_checkpointing(model, host_memory)
+    hf_memo.apply(model)
+
+
+UNLIMITED_HOST = 2**50
+
+
+def _memo(model: nn.Module, host_memory: int | None) -> None:
+    # alpha = 0: the device peak hardly depends on alpha (offloaded tokens end up on the host, the others keep
+    # nothing), and the host memory shown is memo's minimum: each swapped layer's input and attention output.
+    limit = UNLIMITED_HOST if host_memory is None else host_memory
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=limit)
+
+
+MODES: dict[str, Mode] = {
+    "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
+    "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
+    "minseq": Mode("hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing", _minseq),
+    "memo": Mode(
+        "hf_memo.apply(recompute='memo'): MEMO executor, layer inputs and attention outputs on the host",
+        _memo,
+        profile_layers=(4, 5),  # the first depth with both rounding buffers and two device-resident layers
+    ),
+}
+DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
+TRAINABLE = ("full", "lora")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LORA_RANK = 8
+# Families whose learned position table caps the sequence length: model_type -> config field.
+POSITION_LIMITS = {"gpt2": "n_positions"}
+
+
+def config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str, PretrainedConfig]:
+    if isinstance(model_or_config, str):
+        return model_or_config, load_config(model_or_config)
+    if isinstance(model_or_config, PretrainedConfig):
+        config = model_or_config
+    elif isinstance(model_or_config, nn.Module):
+        config = causal_lm_of(model_or_config).config
+    else:
+        raise ValueError(
+            f"model_or_config must be a built-in model name ({', '.join(SHAPE_NAMES)}), a path to a config.json, "
+            f"a PretrainedConfig or a model, got {type(model_or_config).__name__}"
+        )
+    name = getattr(config, "_name_or_path", "") or config.model_type
+    return name, check_decoder_lm(config, name)
+
+
+def with_lora(model: nn.Module, session: FakeSession) -> nn.Module:
+    """``model`` wrapped by PEFT LoRA (rank 8 on PEFT's default target modules for its family)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError("trainable='lora' needs the peft package (pip install peft)") from None
+    with session.converting_modules():
+        try:
+            return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="CAUSAL_LM"))
+        except ValueError as error:
+            raise ValueError(f"PEFT cannot add LoRA to {type(model).__name__}: {error}") from None
+
+
+def choice(name: str, value: Any, accepted: Sequence[str]) -> Any:
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {', '.join(accepted)}, got {value!r}")
+    return value
+
+
+def positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {text!r}")
+    return value
+
+
+def parse(name: str, parser: Callable[[str], int], text: str) -> int:
+    try:
+        return parser(text)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
