@@ -40,6 +40,13 @@ def test_auto_keeps_short_sequences_whole():
     assert auto_chunks(8192, 128256, 4096, 1024) == 8
 
 
+def test_auto_prefers_a_count_that_divides_the_tokens():
+    # GPT-7B: I / H = 2.7 -> 3 chunks would be uneven on 32768 tokens; 4 divides them.
+    assert auto_chunks(32768, 11008, 4096, 1024) == 4
+    assert auto_chunks(30000, 11008, 4096, 1024) == 3  # 3 divides 30000
+    assert auto_chunks(32771, 11008, 4096, 1024) == 3  # a prime: no even split within 2x, keep the target
+
+
 def test_resolve_passes_explicit_counts_through():
     assert resolve_chunks(5, 10, 100, 10, 1024) == 5
     assert resolve_chunks("auto", 65536, 14336, 4096, 1024) == 4

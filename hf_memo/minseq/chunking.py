@@ -20,11 +20,20 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
 def auto_chunks(tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
     """Chunks for an op whose intermediate is ``(tokens, width)`` while its input is ``(tokens, hidden)``.
 
-    Picks ``ceil(width / hidden)`` so each chunk's intermediate is about the size of the hidden
-    state (the Mini-Sequence Transformer rule), but never chunks shorter than
-    ``min_chunk_tokens``: short sequences get one chunk and run exactly as before.
+    Aims at ``ceil(width / hidden)`` so each chunk's intermediate is about the size of the hidden
+    state (the Mini-Sequence Transformer rule), preferring the first count up to twice that which
+    divides ``tokens`` (equal chunks give equal tensors, which the memory planner packs tightly), and
+    never cuts chunks shorter than ``min_chunk_tokens``: short sequences get one chunk and run
+    exactly as before.
     """
-    return max(1, min(math.ceil(width / hidden), tokens // min_chunk_tokens))
+    target = math.ceil(width / hidden)
+    limit = tokens // min_chunk_tokens
+    if limit <= 1:
+        return 1
+    for chunks in range(target, min(2 * target, limit) + 1):
+        if tokens % chunks == 0:
+            return chunks
+    return min(target, limit)
 
 
 def resolve_chunks(setting: int | str, tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
