@@ -12,20 +12,19 @@ timeline of one step per mode.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig
 
 import hf_memo
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.shapes import builtin_config
+
+from common import add_out_option, results_folder, tiny_llama
 
 GiB = 2**30
 MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
@@ -37,18 +36,6 @@ MST_LABELS = {
     "minseq": "MsT",
     "memo": "not in the paper",
 }
-
-
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=224,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2000,
-        num_hidden_layers=6,
-        max_position_embeddings=1 << 16,
-    )
 
 
 def markdown(results: dict) -> str:
@@ -84,13 +71,11 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Llama, for a smoke run")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
+    add_out_option(parser)
     args = parser.parse_args()
 
-    date = datetime.date.today().isoformat()
-    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
-    out.mkdir(parents=True, exist_ok=True)
-    config = tiny_config() if args.tiny else builtin_config("llama-3-8b")
+    date, out = results_folder(args.out)
+    config = tiny_llama(6) if args.tiny else builtin_config("llama-3-8b")
     name = "tiny Llama (6 layers)" if args.tiny else "Llama-3-8B"
     gpu_memory = 24 * 2**20 if args.tiny else 80 * GiB
     seq_len = 2048 if args.tiny else 16384

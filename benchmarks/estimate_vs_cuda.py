@@ -11,10 +11,8 @@ trace (``cuda_training_step_trace``), one layer's forward time and the pinned co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,6 +23,8 @@ from hf_memo.profiler.footprint import StepProfiler, with_layers
 from hf_memo.profiler.gpu import cuda_training_step_trace, offload_inputs
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.profiler.step import steady_optimizer, token_batch, training_step
+
+from common import add_out_option, results_folder
 
 GiB = 2**30
 
@@ -56,12 +56,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cuda)")
+    add_out_option(parser, "cuda")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("estimate_vs_cuda.py needs a CUDA GPU; the CPU estimate is benchmarks/estimate_table.py")
-    out = args.out or Path(__file__).parent / "results" / f"{datetime.date.today().isoformat()}-cuda"
-    out.mkdir(parents=True, exist_ok=True)
+    _, out = results_folder(args.out, "cuda")
     config = with_layers(builtin_config("llama-3-8b"), args.layers)
     results = {"gpu": torch.cuda.get_device_name(), "seq_len": args.seq_len, "layers": args.layers, "modes": {}}
     for mode in ("vanilla", "hf-checkpointing", "minseq"):

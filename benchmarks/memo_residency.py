@@ -15,9 +15,7 @@ bf16, batch 1). For each mode, at the moment backward starts:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-from pathlib import Path
 
 import torch
 
@@ -28,6 +26,8 @@ from hf_memo.profiler.footprint import with_layers
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
+
+from common import add_out_option, results_folder
 
 KiB = 1024
 MODES = {
@@ -84,11 +84,9 @@ def profile(config, alpha: float | None, seq_len: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes for a smoke run")
-    parser.add_argument("--out", type=Path, default=None)
+    add_out_option(parser)
     args = parser.parse_args()
-    date = datetime.date.today().isoformat()
-    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
-    out.mkdir(parents=True, exist_ok=True)
+    date, out = results_folder(args.out)
     config = builtin_config("llama-3-8b")
     seq_len = 65536
     if args.tiny:

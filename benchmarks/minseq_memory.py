@@ -11,7 +11,6 @@ same run, interleaved, so the ratios are not skewed by machine noise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import statistics
@@ -30,20 +29,10 @@ from hf_memo.profiler.footprint import with_layers
 from hf_memo.profiler.memtracker import peak_of, training_step_peak
 from hf_memo.profiler.shapes import builtin_config
 
+from common import add_out_option, results_folder, tiny_llama
+
 GiB = 2**30
 MODES = ("hf", "hf+checkpointing", "hf_memo", "hf_memo+checkpointing")
-
-
-def tiny_layers(layers: int) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=224,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2000,
-        num_hidden_layers=layers,
-        max_position_embeddings=1 << 16,
-    )
 
 
 def step_peak(config: LlamaConfig, mode: str, seq_len: int) -> dict:
@@ -172,14 +161,12 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes for a smoke run")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
+    add_out_option(parser)
     args = parser.parse_args()
 
-    date = datetime.date.today().isoformat()
-    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
-    out.mkdir(parents=True, exist_ok=True)
+    date, out = results_folder(args.out)
     layers = 2 if args.tiny else 4
-    config = tiny_layers(layers) if args.tiny else with_layers(builtin_config("llama-3-8b"), layers)
+    config = tiny_llama(layers) if args.tiny else with_layers(builtin_config("llama-3-8b"), layers)
     seq_lens = (2048, 4096) if args.tiny else (16384, 65536)
     shape = ("tiny Llama" if args.tiny else "Llama-3-8B layer shapes") + f", {layers} layers, bf16, batch 1"
     results: dict = {

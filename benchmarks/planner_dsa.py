@@ -34,7 +34,6 @@ They follow PyTorch's rules, not a measurement: profiler traces replace them wit
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -56,6 +55,8 @@ from hf_memo.planner.mip import milp_offsets
 from hf_memo.planner.solution import find_conflict
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.units import format_bytes, format_tokens, parse_bytes, parse_tokens
+
+from common import add_out_option, results_folder
 
 BF16, FP32 = 2, 4
 # Greedy places this in 6 units, the optimum is 5: solved once before timing anything.
@@ -609,12 +610,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="CP-SAT threads")
     parser.add_argument("--alignment", default="512", help="bytes sizes are rounded up to (default 512), e.g. 1MiB")
     parser.add_argument("--save-traces", type=Path, default=None, help="also write the synthetic/profiled traces here")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
+    add_out_option(parser)
     args = parser.parse_args()
 
-    date = datetime.date.today().isoformat()
-    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
-    out.mkdir(parents=True, exist_ok=True)
+    date, out = results_folder(args.out)
     alignment = parse_bytes(args.alignment)
     mip_limit = args.mip_limit if args.mip_limit is not None else (5.0 if args.quick or args.tiny else 60.0)
     source = "synthetic traces (see the script's docstring)"

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import platform
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,22 +32,12 @@ from hf_memo.profiler.footprint import with_layers
 from hf_memo.profiler.memtracker import training_step_peak
 from hf_memo.profiler.shapes import builtin_config
 
+from common import add_out_option, results_folder, tiny_llama
+
 GiB, MiB = 2**30, 2**20
 WORLD = 8
 DEGREES = (1, 2, 4, 8)
 MODES = {"hf_memo": False, "hf_memo+checkpointing": True}  # mode -> HF gradient checkpointing
-
-
-def tiny_layers(layers: int) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=64,
-        intermediate_size=224,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=2000,
-        num_hidden_layers=layers,
-        max_position_embeddings=1 << 16,
-    )
 
 
 class CollectiveLog:
@@ -151,14 +139,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes for a smoke run")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 131072; tiny 4096)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/<date>-cpu)")
+    add_out_option(parser)
     args = parser.parse_args()
 
-    date = datetime.date.today().isoformat()
-    out = args.out or Path(__file__).parent / "results" / f"{date}-cpu"
-    out.mkdir(parents=True, exist_ok=True)
+    date, out = results_folder(args.out)
     layers = 2 if args.tiny else 4
-    config = tiny_layers(layers) if args.tiny else with_layers(builtin_config("llama-3-8b"), layers)
+    config = tiny_llama(layers, heads=8) if args.tiny else with_layers(builtin_config("llama-3-8b"), layers)
     seq_len = args.seq_len or (4096 if args.tiny else 131072)
     shape = ("tiny Llama" if args.tiny else "Llama-3-8B layer shapes") + f", {layers} layers, bf16, batch 1"
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
