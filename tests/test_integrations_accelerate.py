@@ -104,14 +104,20 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _run(command: list[str], env: dict) -> None:
+    """Run ``command``; on failure, the assertion message carries the end of its output."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {' '.join(command)}\n{(done.stdout + done.stderr)[-4000:]}"
+
+
 def test_accelerate_launch_of_the_cpu_config_runs_trainer_steps_like_one_process(tmp_path):
     script = ROOT / "tests" / "scripts" / "sequence_parallel_trainer.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc_sp.yaml")]
     launch += ["--main_process_port", str(_free_port()), str(script), "--sequence-parallel", "2"]
-    subprocess.run([*launch, "--out", str(tmp_path / "sp.pt")], check=True, env=env, capture_output=True, text=True)
+    _run([*launch, "--out", str(tmp_path / "sp.pt")], env)
     single = [sys.executable, str(script), "--sequence-parallel", "1", "--out", str(tmp_path / "single.pt")]
-    subprocess.run(single, check=True, env=env, capture_output=True, text=True)
+    _run(single, env)
 
     got, want = torch.load(tmp_path / "sp.pt"), torch.load(tmp_path / "single.pt")
     assert got["world"] == 2 and want["world"] == 1

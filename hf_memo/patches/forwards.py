@@ -28,6 +28,7 @@ from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.patches.family import Family
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import MemoLayerFunction
+from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 
 
@@ -68,6 +69,7 @@ def causal_lm_forward(
     config: MemoConfig,
     family: Family,
     sequence_parallel: SequenceParallelLM | None,
+    runtime: MemoRuntime | None,
     model: PreTrainedModel,
     inner: Callable,
     *args: Any,
@@ -78,7 +80,8 @@ def causal_lm_forward(
     In training with ``labels`` (and all logits requested) the backbone runs up to its final norm,
     then the final norm, LM head and loss run in mini-sequences on the ``(B, S, H)`` hidden states:
     neither the ``(B, S, V)`` logits nor the norm's full-length intermediates exist, and only the
-    norm's input is kept for backward. ``logits`` is ``None`` in the output. Everything else (evaluation,
+    norm's input is kept for backward (on the host under the memo executor, see
+    :mod:`hf_memo.runtime.head_offload`). ``logits`` is ``None`` in the output. Everything else (evaluation,
     ``generate()``, calls without labels) goes to the original forward unchanged.
     With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the sequence
     and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
@@ -107,16 +110,17 @@ def causal_lm_forward(
     vocab_size = model.config.get_text_config().vocab_size
     tokens = hidden.numel() // hidden.shape[-1]
     chunks = resolve_chunks(config.lm_head_chunks, tokens, vocab_size, hidden.shape[-1], config.min_chunk_tokens)
-    loss = causal_lm_loss(
-        hidden,
-        lambda rows: head(norm(rows)),
-        trainable_params(norm) + trainable_params(head),
-        labels,
-        chunks,
-        ignore_index=extra.get("ignore_index", -100),
-        num_items_in_batch=extra.get("num_items_in_batch"),
-        shift_labels=extra.get("shift_labels"),
-    )
+    with head_input_offloaded(runtime, hidden) as head_input:
+        loss = causal_lm_loss(
+            head_input,
+            lambda rows: head(norm(rows)),
+            trainable_params(norm) + trainable_params(head),
+            labels,
+            chunks,
+            ignore_index=extra.get("ignore_index", -100),
+            num_items_in_batch=extra.get("num_items_in_batch"),
+            shift_labels=extra.get("shift_labels"),
+        )
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
     passthrough = {f.name for f in dataclasses.fields(family.output_class)} - {"loss", "logits"}

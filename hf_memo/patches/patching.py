@@ -75,7 +75,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             record.install_forward(layer, partial(checkpointed_layer_forward, config))
     backbone = getattr(model, model.base_model_prefix)
     record.install_forward(getattr(backbone, family.final_norm), final_norm_forward)
-    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel))
+    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel, runtime))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
 

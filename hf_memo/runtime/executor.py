@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
+from torch.autograd.graph import get_gradient_edge
 
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState
 from hf_memo.runtime.attention_core import AttentionStats
-from hf_memo.runtime.stash import LayerStash
+from hf_memo.runtime.stash import LayerStash, stash_hooks
 
 
 class LayerSplit(Protocol):
@@ -95,22 +95,6 @@ class _Source(torch.autograd.Function):
         raise AssertionError("graph sources are inputs of autograd.grad, never traversed")
 
 
-def _stash_hooks(stash: LayerStash, keep: list[torch.Tensor]) -> saved_tensors_hooks:
-    """Saved-tensor hooks that put everything but (views of) ``keep`` into ``stash``."""
-    kept = {id(t.untyped_storage()) for t in keep}
-    alive = [t.untyped_storage() for t in keep]  # keeps the ids above valid
-
-    def pack(tensor: torch.Tensor):
-        if id(tensor.untyped_storage()) in kept:
-            return (alive, tensor)
-        return stash.add(tensor)
-
-    def unpack(packed) -> torch.Tensor:
-        return packed[1] if isinstance(packed, tuple) else stash.rebuild(packed)
-
-    return saved_tensors_hooks(pack, unpack)
-
-
 def _accumulate(grads: list, need_x: int, sums: GradSum, wanted: list[bool]) -> list:
     """Split ``autograd.grad`` results into the first ``need_x`` input grads and parameter grads (added to ``sums``)."""
     rest = iter(grads[need_x:])
@@ -138,7 +122,7 @@ class MemoLayerFunction(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> torch.Tensor:
         stash = runtime.open_stash(index, x.device)
-        hooks = _stash_hooks(stash, split.kept())
+        hooks = stash_hooks(stash, split.kept(), stash_them=False)
         anchor = torch.zeros((), device=x.device, requires_grad=True)
         offloaded, recomputed = bounds[:alpha_chunks], bounds[alpha_chunks:]
         x = x.detach()  # rows are read through graph sources or without autograd, never through x's graph

@@ -55,6 +55,7 @@ class MemoRuntime:
         self.attention_calls = 0
         self.plan: OffloadPlan | None = None
         self._plans: dict[tuple, OffloadPlan] = {}
+        self._head_offloaded: dict[tuple, bool] = {}
         self._bandwidth: dict[torch.device, float] = {}
         self._transports: dict[torch.device, _Transport] = {}
         self._latest: dict[int, LayerStash] = {}
@@ -62,16 +63,19 @@ class MemoRuntime:
     # -- offload plan ---------------------------------------------------------------------------------
     def alpha_chunks(self, split: LayerSplit, x: torch.Tensor, chunks: int) -> int:
         """Chunks (of ``chunks``) whose tokens are offloaded for a layer input ``x`` ``(B, S, H)``."""
-        key = (tuple(x.shape), x.dtype, x.device)
+        key = _shape_key(x)
         if key not in self._plans:
             if self.config.planner != "off":
                 self._plan_memory(x.shape[0], x.shape[1])
-            self._plans[key] = self._solve(split, x)
+            fixed, other = layer_bytes_per_token(split, x)
+            tokens = x.shape[0] * x.shape[1]
+            plan = self._plans[key] = self._solve(split, x, fixed, other)
+            host_bytes = plan.swapped_layers * (fixed + plan.alpha * other) * tokens
+            self._head_offloaded[key] = host_bytes + x.numel() * x.element_size() <= self.host_limit
         self.plan = self._plans[key]
         return quantise(self.plan.alpha, chunks)
 
-    def _solve(self, split: LayerSplit, x: torch.Tensor) -> OffloadPlan:
-        fixed, other = layer_bytes_per_token(split, x)
+    def _solve(self, split: LayerSplit, x: torch.Tensor, fixed: float, other: float) -> OffloadPlan:
         tokens = x.shape[0] * x.shape[1]
         fraction = self.config.offload_fraction
         if fraction != "auto":
@@ -122,6 +126,20 @@ class MemoRuntime:
         swapped = self.plan is not None and index < self.plan.swapped_layers
         return LayerStash(index, swapped, transport.engine, transport.pool, transport.rounding, transport.prefetch)
 
+    def open_head_stash(self, hidden: torch.Tensor) -> LayerStash | None:
+        """A swapped stash for the LM head's input ``hidden`` ``(B, S, H)``, or ``None`` to keep it on the device.
+
+        ``None`` when no layer of that shape has run yet or when the host limit has no room for it
+        beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
+        imaginary layer ``n`` (layer ``n - 2``, which shares its buffers, is never swapped).
+        """
+        if not self._head_offloaded.get(_shape_key(hidden), False):
+            return None
+        transport = self._transport(hidden.device)
+        return LayerStash(
+            self.num_layers, True, transport.engine, transport.pool, transport.rounding, transport.prefetch
+        )
+
     def sealed(self, index: int, stash: LayerStash) -> None:
         self._latest[index] = stash
 
@@ -149,6 +167,10 @@ class MemoRuntime:
     def device_buffer_bytes(self) -> int:
         """Device bytes of the rounding and prefetch buffers."""
         return sum(t.rounding.reserved_bytes + t.prefetch.reserved_bytes for t in self._transports.values())
+
+
+def _shape_key(x: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.dtype, x.device
 
 
 def _made_for(plan: MemoryPlan | None, batch_size: int, seq_len: int) -> bool:

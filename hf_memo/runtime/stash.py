@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 
 from hf_memo.profiler.placement import mark_owned
 from hf_memo.runtime.arena import Arena
@@ -179,3 +180,20 @@ class LayerStash:
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[offset : offset + nbytes].view(dtype) for offset, nbytes, dtype in self._layout]
+
+
+def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool) -> saved_tensors_hooks:
+    """Saved-tensor hooks that put into ``stash`` the saved tensors sharing a storage with ``tensors``
+    (``stash_them=True``), or every saved tensor but those (``stash_them=False``); the rest stay as they are."""
+    storages = {id(t.untyped_storage()) for t in tensors}
+    alive = [t.untyped_storage() for t in tensors]  # keeps the ids above valid
+
+    def pack(tensor: torch.Tensor):
+        if (id(tensor.untyped_storage()) in storages) == stash_them:
+            return stash.add(tensor)
+        return (alive, tensor)
+
+    def unpack(packed) -> torch.Tensor:
+        return packed[1] if isinstance(packed, tuple) else stash.rebuild(packed)
+
+    return saved_tensors_hooks(pack, unpack)

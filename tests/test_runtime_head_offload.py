@@ -1,0 +1,96 @@
+import copy
+
+import pytest
+import torch
+
+import hf_memo
+from hf_memo.config import MemoConfig
+from hf_memo.patches.llama import FAMILY
+from hf_memo.runtime.head_offload import head_input_offloaded
+from hf_memo.runtime.memo import MemoRuntime
+from tests.conftest import assert_same_grads, build_model, make_batch
+
+SEQ, HIDDEN = 24, 32
+
+
+def _runtime(**config) -> MemoRuntime:
+    """A memo runtime that has planned layers of input shape ``(2, SEQ, HIDDEN)`` in float64."""
+    runtime = MemoRuntime(MemoConfig(recompute="memo", **config), num_layers=4)
+    model = build_model("llama")
+    x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64)
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(SEQ)[None]))
+    runtime.alpha_chunks(split, x, 4)
+    return runtime
+
+
+def _pool(runtime: MemoRuntime):
+    return runtime._transport(torch.device("cpu")).pool
+
+
+def _loss(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ w).sum()  # saves h (for w's gradient) and tanh's output
+
+
+def _grads(hidden: torch.Tensor, w: torch.Tensor, runtime: MemoRuntime | None, clobber: bool):
+    hidden, w = hidden.clone().requires_grad_(), w.clone().requires_grad_()
+    with head_input_offloaded(runtime, hidden) as h:
+        loss = _loss(h, w)
+    if clobber:
+        hidden.data.add_(1.0)  # what backward reads must be the stash's copy, not this storage
+    in_use = None if runtime is None else _pool(runtime).in_use_bytes
+    loss.backward()
+    return hidden.grad, w.grad, in_use
+
+
+def test_the_head_input_waits_on_the_host_and_gives_exact_gradients():
+    runtime = _runtime(offload_fraction=0.0)
+    hidden, w = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64), torch.randn(HIDDEN, 5, dtype=torch.float64)
+    want_hidden, want_w, _ = _grads(hidden, w, None, clobber=False)
+    got_hidden, got_w, in_use = _grads(hidden, w, runtime, clobber=True)
+    assert in_use >= hidden.numel() * hidden.element_size()
+    torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
+    torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
+    assert _pool(runtime).in_use_bytes == 0  # released by the backward
+
+
+def test_the_head_input_stays_on_the_device_when_the_host_limit_has_no_room():
+    hidden_bytes = 2 * SEQ * HIDDEN * 8
+    with pytest.warns(UserWarning, match="0 of 2 layers"):
+        fits = _runtime(offload_fraction=0.0, host_memory_limit=hidden_bytes)
+    with pytest.warns(UserWarning, match="0 of 2 layers"):
+        too_small = _runtime(offload_fraction=0.0, host_memory_limit=hidden_bytes - 1)
+    hidden = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+    assert fits.open_head_stash(hidden) is not None
+    assert too_small.open_head_stash(hidden) is None
+
+
+def test_the_head_input_is_not_offloaded_for_another_shape_or_without_a_graph():
+    runtime = _runtime(offload_fraction=0.0)
+    other_shape = torch.randn(1, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+    assert runtime.open_head_stash(other_shape) is None
+    hidden = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad(), head_input_offloaded(runtime, hidden) as h:
+        assert h is hidden
+    assert _pool(runtime).reserved_bytes == 0
+
+
+def test_a_memo_model_offloads_its_head_input_every_step_and_matches_unpatched(monkeypatch):
+    opened = []
+    original = MemoRuntime.open_head_stash
+
+    def spy(self, hidden):
+        stash = original(self, hidden)
+        opened.append(stash is not None)
+        return stash
+
+    monkeypatch.setattr(MemoRuntime, "open_head_stash", spy)
+    model = build_model("llama", num_hidden_layers=3)
+    reference = copy.deepcopy(model)
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, mlp_chunks=4, lm_head_chunks=3)
+    for seed in range(2):
+        ids, labels = make_batch(2, 17, seed=seed)
+        loss, want = model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss
+        loss.backward(), want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)  # the loss is float32
+    assert opened == [True, True]
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
