@@ -53,6 +53,22 @@ def test_the_head_input_waits_on_the_host_and_gives_exact_gradients():
     assert _pool(runtime).in_use_bytes == 0  # released by the backward
 
 
+def test_the_device_copy_of_the_head_input_is_freed_while_the_graph_lives():
+    runtime = _runtime(offload_fraction=0.0)
+    leaf = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(HIDDEN, 5, dtype=torch.float64, requires_grad=True)
+    hidden = leaf * 2
+    storage = hidden.untyped_storage()._weak_ref()
+    with head_input_offloaded(runtime, hidden) as h:
+        loss = _loss(h, w)
+    del hidden, h
+    assert torch.UntypedStorage._expired(storage)  # only the host copy is left for backward
+    got = torch.autograd.grad(loss, [leaf, w])
+    want = torch.autograd.grad(_loss(leaf * 2, w), [leaf, w])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+
+
 def test_the_head_input_stays_on_the_device_when_the_host_limit_has_no_room():
     hidden_bytes = 2 * SEQ * HIDDEN * 8
     with pytest.warns(UserWarning, match="0 of 2 layers"):

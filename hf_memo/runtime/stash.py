@@ -184,16 +184,20 @@ class LayerStash:
 
 def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool) -> saved_tensors_hooks:
     """Saved-tensor hooks that put into ``stash`` the saved tensors sharing a storage with ``tensors``
-    (``stash_them=True``), or every saved tensor but those (``stash_them=False``); the rest stay as they are."""
-    storages = {id(t.untyped_storage()) for t in tensors}
-    alive = [t.untyped_storage() for t in tensors]  # keeps the ids above valid
+    (``stash_them=True``), or every saved tensor but those (``stash_them=False``); the rest stay as they are.
+
+    ``tensors`` must stay alive while the hooks are in use. The hooks hold no reference to them: the
+    graph keeps its hooks, and a stashed tensor's device memory must be free to go once the stash
+    has its bytes.
+    """
+    storages = {t.untyped_storage()._cdata for t in tensors}  # storage addresses, unique while alive
 
     def pack(tensor: torch.Tensor):
-        if (id(tensor.untyped_storage()) in storages) == stash_them:
+        if (tensor.untyped_storage()._cdata in storages) == stash_them:
             return stash.add(tensor)
-        return (alive, tensor)
+        return (tensor,)
 
     def unpack(packed) -> torch.Tensor:
-        return packed[1] if isinstance(packed, tuple) else stash.rebuild(packed)
+        return packed[0] if isinstance(packed, tuple) else stash.rebuild(packed)
 
     return saved_tensors_hooks(pack, unpack)
