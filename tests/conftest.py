@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +70,21 @@ FAMILY_BUILDERS = {
     ),
 }
 FAMILIES = sorted(FAMILY_BUILDERS)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_command(command: list[str], env: dict | None = None) -> None:
+    """Run ``command``; on failure, the assertion message carries the end of its output."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {' '.join(command)}\n{(done.stdout + done.stderr)[-4000:]}"
+
+
+def run_benchmark(script: str, out: Path, *args: str) -> dict:
+    """Run ``benchmarks/<script>.py --tiny --out out *args`` in its own process; return its ``<script>.json``."""
+    run_command([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--tiny", "--out", str(out), *args])
+    return json.loads((out / f"{script}.json").read_text())
 
 
 def build_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **config_overrides) -> torch.nn.Module:

@@ -1,20 +1,17 @@
 """The planner benchmark still runs, on synthetic traces and on trace files (tiny shapes, seconds)."""
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, run_command
+
 SCRIPT = ROOT / "benchmarks" / "planner_dsa.py"
 
 
 def test_planner_benchmark_runs_on_synthetic_traces_and_on_trace_files(tmp_path):
     traces = tmp_path / "traces"
     run = [sys.executable, str(SCRIPT), "--mip-limit", "1"]
-    subprocess.run(
-        run + ["--tiny", "--save-traces", str(traces), "--out", str(tmp_path)], check=True, capture_output=True
-    )
+    run_command(run + ["--tiny", "--save-traces", str(traces), "--out", str(tmp_path)])
     results = json.loads((tmp_path / "planner_dsa.json").read_text())
     assert set(results["runs"]) == {"tiny-llama S=512", "tiny-llama S=512 ckpt"}
     for run_result in results["runs"].values():
@@ -29,7 +26,7 @@ def test_planner_benchmark_runs_on_synthetic_traces_and_on_trace_files(tmp_path)
     saved = sorted(traces.glob("*.jsonl"))
     assert len(saved) == 2
     command = [sys.executable, str(SCRIPT), "--mip-limit", "0", "--trace", str(saved[0]), "--out", str(tmp_path)]
-    subprocess.run(command, check=True, capture_output=True)
+    run_command(command)
     from_file = json.loads((tmp_path / "planner_dsa_traces.json").read_text())
     assert saved[0].stem == "tiny-llama_S512"
     assert from_file["runs"]["tiny-llama_S512"]["plan"]["peak"] == results["runs"]["tiny-llama S=512"]["plan"]["peak"]
@@ -53,7 +50,7 @@ def test_planner_benchmark_profiles_whole_steps_and_compares_the_allocator_with_
         "--save-traces",
         str(tmp_path),
     ]
-    subprocess.run(command, check=True, capture_output=True)
+    run_command(command)
     results = json.loads((tmp_path / "planner_dsa_profiled_align4KiB.json").read_text())
     assert set(results["runs"]) == {f"{config} S=64 hf-checkpointing", f"{config} S=64 memo"}
     assert results["alignment"] == 4096

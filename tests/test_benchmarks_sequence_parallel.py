@@ -1,21 +1,10 @@
 """The sequence-parallel benchmark still runs (tiny shapes); its real results live under benchmarks/results/."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import run_benchmark
 
 
 def test_sequence_parallel_benchmark_measures_the_exchange_and_shrinking_activations(tmp_path):
-    subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sequence_parallel.py"), "--tiny", "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    results = json.loads((tmp_path / "sequence_parallel.json").read_text())
+    results = run_benchmark("sequence_parallel", tmp_path)
     assert (tmp_path / "sequence_parallel.md").read_text().startswith("Per-GPU memory")
     for mode, runs in results["runs"].items():
         activations = [runs[sp]["peak"]["activations"] for sp in ("1", "2", "4", "8")]

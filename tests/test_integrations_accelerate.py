@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,10 +21,9 @@ from torch.utils.data import DataLoader
 import hf_memo
 from hf_memo.integrations.accelerate import attach, prepare_data_loader
 from hf_memo.parallel.groups import SequenceParallelGroups
-from tests.conftest import assert_same_grads, build_model, make_batch
+from tests.conftest import ROOT, assert_same_grads, build_model, make_batch, run_command
 from tests.multiprocess import run_processes
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "accelerate_configs"
 SAMPLES, SEQ, STEPS, LR = 8, 11, 3, 0.1
 
@@ -104,20 +101,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _run(command: list[str], env: dict) -> None:
-    """Run ``command``; on failure, the assertion message carries the end of its output."""
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, f"exit {done.returncode}: {' '.join(command)}\n{(done.stdout + done.stderr)[-4000:]}"
-
-
 def test_accelerate_launch_of_the_cpu_config_runs_trainer_steps_like_one_process(tmp_path):
     script = ROOT / "tests" / "scripts" / "sequence_parallel_trainer.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc_sp.yaml")]
     launch += ["--main_process_port", str(_free_port()), str(script), "--sequence-parallel", "2"]
-    _run([*launch, "--out", str(tmp_path / "sp.pt")], env)
+    run_command([*launch, "--out", str(tmp_path / "sp.pt")], env)
     single = [sys.executable, str(script), "--sequence-parallel", "1", "--out", str(tmp_path / "single.pt")]
-    _run(single, env)
+    run_command(single, env)
 
     got, want = torch.load(tmp_path / "sp.pt"), torch.load(tmp_path / "single.pt")
     assert got["world"] == 2 and want["world"] == 1
