@@ -103,8 +103,7 @@ class LayerStash:
         self.index, self.swapped = index, swapped
         self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
-        self._index_of: dict[int, int] = {}  # id(UntypedStorage) -> position, valid until seal
-        self._alive: list[torch.UntypedStorage] = []  # keeps those ids from being reused until seal
+        self._index_of: dict[int, int] = {}  # storage address -> position (the storages below keep it unique)
         self._layout: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per storage
         self.nbytes = 0  # aligned bytes of the sealed stash
         self._host: torch.Tensor | None = None
@@ -116,14 +115,13 @@ class LayerStash:
     def add(self, tensor: torch.Tensor) -> StashRef:
         """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it."""
         storage = tensor.untyped_storage()
-        if id(storage) not in self._index_of:
-            self._index_of[id(storage)] = len(self._storages)
-            self._alive.append(storage)
+        if storage._cdata not in self._index_of:
+            self._index_of[storage._cdata] = len(self._storages)
             # detached: a stashed tensor must not reference the graph whose saved-tensor hooks reference the stash
             whole = torch.as_strided(tensor.detach(), (storage.nbytes() // tensor.element_size(),), (1,), 0)
             self._storages.append(whole)
         return StashRef(
-            self._index_of[id(storage)],
+            self._index_of[storage._cdata],
             tensor.dtype,
             tuple(tensor.shape),
             tuple(tensor.stride()),
@@ -137,7 +135,7 @@ class LayerStash:
 
     def seal(self) -> None:
         """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA)."""
-        self._index_of, self._alive = {}, []
+        self._index_of = {}
         for whole in self._storages:
             nbytes = whole.numel() * whole.element_size()
             self._layout.append((self.nbytes, nbytes, whole.dtype))
