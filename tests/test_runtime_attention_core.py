@@ -1,8 +1,19 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memo.runtime.attention_core import attention_backward, attention_forward, backend_for, expand_kv, reduce_kv
+from hf_memo.runtime import flash_attn_package
+from hf_memo.runtime.attention_core import (
+    attention_backward,
+    attention_forward,
+    backend_for,
+    expand_kv,
+    needs_kv_expansion,
+    reduce_kv,
+    select_backend,
+)
+from hf_memo.runtime.dropout_attention import keep_mask
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
@@ -38,3 +49,88 @@ def test_cpu_backend_is_the_cpu_flash_kernel():
     assert backend_for(torch.empty(1, 1, 1, 1)) == "cpu-flash"
     with pytest.raises(ValueError, match="supports cpu and cuda"):
         backend_for(torch.empty(1, 1, 1, 1, device="meta"))
+
+
+class _KernelArgs(TorchDispatchMode):
+    """Records the shapes of the tensors each ``op`` in ``ops`` is called with."""
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.calls = {op: [] for op in ops}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.calls:
+            self.calls[func].append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_grouped_kv_reach_the_cpu_kernels_unexpanded_and_gradients_stay_exact(dropout_p):
+    """torch 2.13's CPU flash kernel (and the dropout path) take h_kv < h: K/V are not copied per query head."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 21, 6, 8, dtype=torch.float64, generator=gen).transpose(1, 2)  # as the executor lays it out
+    k, v = (torch.randn(2, 21, 2, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in range(2))
+    upstream = torch.randn(2, 6, 21, 8, dtype=torch.float64, generator=gen)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    with _KernelArgs(flash, flash_backward) as recorded:
+        out, stats = attention_forward(q, k, v, 0.3, dropout_p)
+        dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.3)
+    if dropout_p == 0:
+        assert recorded.calls[flash] == [[q.shape, k.shape, v.shape]]
+        assert recorded.calls[flash_backward][0][2:4] == [k.shape, v.shape]
+        keep = torch.ones(2, 6, 21, 21, dtype=torch.bool)
+    else:
+        assert recorded.calls == {flash: [], flash_backward: []}
+        assert stats.dropout_p == dropout_p
+        keep = keep_mask(stats.extra[0], dropout_p, 2, 6, 21, (0, 21), 21, q.device)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    scores = leaves[0] @ expand_kv(leaves[1], 3).transpose(-1, -2) * 0.3
+    scores = scores.masked_fill(~torch.ones(21, 21, dtype=torch.bool).tril(), float("-inf"))
+    want = (scores.softmax(-1) * keep / (1 - dropout_p)) @ expand_kv(leaves[2], 3)
+    want.backward(upstream)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_output_is_laid_out_like_the_queries(dropout_p):
+    """From q/k/v views of (B, S, h, D) memory the output comes back the same way: its rows are a view."""
+    q, k, v = (torch.randn(2, 9, 4, 8).transpose(1, 2) for _ in range(3))
+    out, _ = attention_forward(q, k, v, 0.3, dropout_p)
+    assert out.shape == (2, 4, 9, 8) and out.transpose(1, 2).is_contiguous()
+
+
+def test_dropout_masks_follow_the_cpu_generator():
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
+    torch.manual_seed(5)
+    first, _ = attention_forward(q, k, v, 0.3, 0.5)
+    second, _ = attention_forward(q, k, v, 0.3, 0.5)
+    torch.manual_seed(5)
+    again, _ = attention_forward(q, k, v, 0.3, 0.5)
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: None)
+    assert select_backend("cpu", torch.float32, 64) == "cpu-flash"
+    assert select_backend("cpu", torch.bfloat16, 64, dropout_p=0.1) == "cpu-dropout"
+    assert select_backend("cuda", torch.bfloat16, 128, capability=(9, 0)) == "cuda-flash"
+    assert select_backend("cuda", torch.float16, 64, dropout_p=0.1, capability=(8, 0)) == "cuda-flash"
+    assert select_backend("cuda", torch.float32, 128, capability=(9, 0)) == "cuda-efficient"
+    assert select_backend("cuda", torch.bfloat16, 12, capability=(9, 0)) == "cuda-efficient"  # head size
+    assert select_backend("cuda", torch.bfloat16, 512, capability=(9, 0)) == "cuda-efficient"
+    assert select_backend("cuda", torch.float16, 64, capability=(7, 5)) == "cuda-efficient"  # pre-Ampere
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: object())
+    assert select_backend("cuda", torch.bfloat16, 128, capability=(9, 0)) == "flash-attn"
+    assert select_backend("cuda", torch.float32, 128, capability=(9, 0)) == "cuda-efficient"
+    assert [needs_kv_expansion(b) for b in ("cpu-dropout", "flash-attn", "cuda-flash", "cuda-efficient")] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert not needs_kv_expansion("cpu-flash")  # torch 2.13, the version the suite runs
+    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    assert needs_kv_expansion("cpu-flash")

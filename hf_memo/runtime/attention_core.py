@@ -1,28 +1,57 @@
 """Causal attention as an explicit forward/backward pair, so backward never recomputes attention.
 
-``forward`` returns the output and the softmax statistics its backward needs; ``backward`` takes
-them back. Backends: PyTorch's flash kernels (CPU, and CUDA for fp16/bf16), PyTorch's memory-
-efficient kernel (CUDA, other dtypes), and the ``flash-attn`` package when it is importable on CUDA.
-Grouped-query attention expands K/V to the query heads for the call and sums dK/dV back per group.
+``forward`` returns the output and the statistics its backward needs (softmax ``lse``, dropout
+probability and what replays the dropout mask); ``backward`` takes them back. Backends
+(:func:`select_backend`):
+
+* ``"cpu-flash"``: PyTorch's CPU flash kernel (no dropout);
+* ``"cpu-dropout"``: explicit blockwise math with a regenerated mask (:mod:`.dropout_attention`), on
+  the CPU when ``dropout_p > 0``;
+* ``"flash-attn"``: the ``flash-attn`` package (:mod:`.flash_attn_package`), CUDA fp16/bf16;
+* ``"cuda-flash"``: PyTorch's CUDA flash kernel, fp16/bf16, when flash-attn is not usable;
+* ``"cuda-efficient"``: PyTorch's memory-efficient kernel, other dtypes and head sizes.
+
+On CUDA the kernels draw dropout from the device generator's Philox stream and return its seed and
+offset (flash-attn: ``rng_state``), which the backward passes back to replay the same mask.
+
+Layout: every kernel takes strided ``(B, h, S, D)`` views with a unit last stride, and the flash
+kernels allocate their output like ``q``. The executor therefore hands in views of ``(B, S, h, D)``
+memory, so the output's rows ``(B, S, h * D)`` are a view, never a second copy.
+
+Grouped-query attention (``h_kv < h``): the flash kernels (PyTorch's CUDA flash, flash-attn) and the
+CPU dropout path take K/V with ``h_kv`` heads; PyTorch's CPU flash kernel does so from torch 2.13 (checked
+here against explicit math, forward and backward); the memory-efficient kernel requires equal head counts,
+so K/V are expanded for it and dK/dV summed back per group (:func:`needs_kv_expansion`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hf_memo.runtime import flash_attn_package
+from hf_memo.runtime.dropout_attention import draw_seed, dropout_attention_backward, dropout_attention_forward
+
 _ops = torch.ops.aten
+CPU_FLASH_GQA_SINCE = (2, 13)  # torch release whose CPU flash kernel was checked to take h_kv < h heads
+FLASH_HEAD_DIMS = range(8, 257, 8)  # head sizes the CUDA flash kernels take without padding
 
 
 @dataclass
 class AttentionStats:
-    """What one backend's backward needs besides ``q, k, v`` and the output: ``lse`` is ``(B, h, S)``."""
+    """What one backend's backward needs besides ``q, k, v`` and the output.
+
+    Attributes:
+        lse: ``(B, h, S)`` log-sum-exp of each query's scaled scores.
+        extra: backend state, e.g. the dropout RNG's seed/offset (CUDA) or mask seed (CPU).
+        dropout_p: the attention dropout probability the forward applied.
+    """
 
     lse: torch.Tensor
     extra: tuple[Any, ...] = ()
+    dropout_p: float = 0.0
 
 
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -41,16 +70,44 @@ def reduce_kv(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, s, d).sum(2)
 
 
-def backend_for(q: torch.Tensor) -> str:
-    """The kernel used for ``q``: ``"cpu-flash"``, ``"flash-attn"``, ``"cuda-flash"`` or ``"cuda-efficient"``."""
-    if q.device.type == "cpu":
-        return "cpu-flash"
-    if q.device.type != "cuda":
-        raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {q.device.type}")
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if half and importlib.util.find_spec("flash_attn") is not None:
-        return "flash-attn"
-    return "cuda-flash" if half else "cuda-efficient"
+def select_backend(
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    dropout_p: float = 0.0,
+    capability: tuple[int, int] | None = None,
+) -> str:
+    """The kernel for attention on ``device_type`` in ``dtype`` with head size ``head_dim``.
+
+    Args:
+        capability: the CUDA device's compute capability (flash kernels need 8.0 or newer).
+    """
+    if device_type == "cpu":
+        return "cpu-dropout" if dropout_p > 0 else "cpu-flash"
+    if device_type != "cuda":
+        raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {device_type}")
+    flash = (
+        dtype in (torch.float16, torch.bfloat16)
+        and head_dim in FLASH_HEAD_DIMS
+        and capability is not None
+        and capability >= (8, 0)
+    )
+    if not flash:
+        return "cuda-efficient"
+    return "flash-attn" if flash_attn_package.flash_attn_interface() is not None else "cuda-flash"
+
+
+def backend_for(q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` (see :func:`select_backend`)."""
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    return select_backend(q.device.type, q.dtype, q.shape[-1], dropout_p, capability)
+
+
+def needs_kv_expansion(backend: str) -> bool:
+    """Whether ``backend`` needs K/V expanded to the query heads (it does not take ``h_kv < h`` natively)."""
+    if backend == "cpu-flash":
+        return tuple(int(part) for part in torch.__version__.split(".")[:2]) < CPU_FLASH_GQA_SINCE
+    return backend == "cuda-efficient"
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -65,41 +122,46 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """Causal attention output ``(B, h, S, D)`` and its statistics, building no autograd graph.
+    """Causal attention output ``(B, h, S, D)`` (laid out like ``q``) and its statistics, building no graph.
 
     Args:
-        q: ``(B, h, S, D)`` queries; k, v: ``(B, h_kv, S, D)`` with ``h % h_kv == 0``. Under autocast
-            they are cast to the autocast dtype first, as ``scaled_dot_product_attention`` would be.
+        q: ``(B, h, S, D)`` queries; k, v: ``(B, h_kv, S, D)`` with ``h % h_kv == 0``; unit last stride.
+            Under autocast they are cast to the autocast dtype first, as ``scaled_dot_product_attention``
+            would be.
         scale: softmax scale (usually ``D ** -0.5``).
+        dropout_p: probability of dropping an attention probability (training), as in SDPA.
     """
     dtype = _compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    groups = q.shape[1] // k.shape[1]
-    k, v = expand_kv(k, groups), expand_kv(v, groups)
-    backend = backend_for(q)
+    backend = backend_for(q, dropout_p)
+    if needs_kv_expansion(backend):
+        groups = q.shape[1] // k.shape[1]
+        k, v = expand_kv(k, groups), expand_kv(v, groups)
     with torch.no_grad():
         if backend == "cpu-flash":
             out, lse = _ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
             return out, AttentionStats(lse)
+        if backend == "cpu-dropout":
+            seed = draw_seed()
+            out, lse = dropout_attention_forward(q, k, v, scale, dropout_p, seed)
+            return out, AttentionStats(lse, (seed,), dropout_p)
         if backend == "flash-attn":
-            from flash_attn.flash_attn_interface import _flash_attn_forward
-
-            result = _flash_attn_forward(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale, True, -1, -1, 0.0, None, False
+            fa = flash_attn_package.flash_attn_interface()
+            out, lse, rng_state = flash_attn_package.forward(
+                fa, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, dropout_p
             )
-            out, lse = result[0], result[1]
-            return out.transpose(1, 2), AttentionStats(lse)
+            return out.transpose(1, 2), AttentionStats(lse, (rng_state,), dropout_p)
         if backend == "cuda-flash":
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _ops._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, True, False, scale=scale
+                q, k, v, dropout_p, True, False, scale=scale
             )
-            return out, AttentionStats(lse, (cum_q, cum_k, max_q, max_k, seed, offset))
+            return out, AttentionStats(lse, (cum_q, cum_k, max_q, max_k, seed, offset), dropout_p)
         out, lse, seed, offset = _ops._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, True, scale=scale
+            q, k, v, None, True, dropout_p, True, scale=scale
         )
-        return out, AttentionStats(lse, (seed, offset))
+        return out, AttentionStats(lse, (seed, offset), dropout_p)
 
 
 def attention_backward(
@@ -113,53 +175,45 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of causal attention from its saved output and statistics.
 
-    Shapes as in :func:`attention_forward`; ``dk, dv`` come back with ``h_kv`` heads, and each gradient
-    in the dtype of its input (the backward of the forward's cast).
+    Shapes as in :func:`attention_forward`; the dropout mask of the forward is replayed from ``stats``.
+    ``dk, dv`` come back with ``h_kv`` heads, and each gradient in the dtype of its input (the backward
+    of the forward's cast).
     """
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, grad_out = (t.to(out.dtype) for t in (q, k, v, grad_out))
-    groups = q.shape[1] // k.shape[1]
-    ke, ve = expand_kv(k, groups), expand_kv(v, groups)
-    backend = backend_for(q)
-    grad_out = grad_out.contiguous()
+    p = stats.dropout_p
+    backend = backend_for(q, p)
+    groups = q.shape[1] // k.shape[1] if needs_kv_expansion(backend) else 1
+    k, v = expand_kv(k, groups), expand_kv(v, groups)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
     if backend == "cpu-flash":
         dq, dk, dv = _ops._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, ke, ve, out, stats.lse, 0.0, True, scale=scale
+            grad_out, q, k, v, out, stats.lse, 0.0, True, scale=scale
         )
+    elif backend == "cpu-dropout":
+        (seed,) = stats.extra
+        dq, dk, dv = dropout_attention_backward(grad_out, q, k, v, out, stats.lse, scale, p, seed)
     elif backend == "flash-attn":
-        from flash_attn.flash_attn_interface import _flash_attn_backward
-
-        dq, dk, dv = (torch.empty_like(t.transpose(1, 2)) for t in (q, ke, ve))
-        _flash_attn_backward(
-            grad_out.transpose(1, 2),
-            q.transpose(1, 2),
-            ke.transpose(1, 2),
-            ve.transpose(1, 2),
-            out.transpose(1, 2),
+        (rng_state,) = stats.extra
+        dq, dk, dv = flash_attn_package.backward(
+            flash_attn_package.flash_attn_interface(),
+            *(t.transpose(1, 2) for t in (grad_out, q, k, v, out)),
             stats.lse,
-            dq,
-            dk,
-            dv,
-            0.0,
+            rng_state,
             scale,
-            True,
-            -1,
-            -1,
-            0.0,
-            None,
-            False,
-            None,
+            p,
         )
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     elif backend == "cuda-flash":
         cum_q, cum_k, max_q, max_k, seed, offset = stats.extra
         dq, dk, dv = _ops._scaled_dot_product_flash_attention_backward(
-            grad_out, q, ke, ve, out, stats.lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+            grad_out, q, k, v, out, stats.lse, cum_q, cum_k, max_q, max_k, p, True, seed, offset, scale=scale
         )
     else:
         seed, offset = stats.extra
         dq, dk, dv, _ = _ops._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, ke, ve, None, out, stats.lse, seed, offset, 0.0, [True, True, True, False], True, scale=scale
+            grad_out, q, k, v, None, out, stats.lse, seed, offset, p, [True, True, True, False], True, scale=scale
         )
     grads = (dq, reduce_kv(dk, groups), reduce_kv(dv, groups))
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes))
