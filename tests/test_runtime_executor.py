@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.runtime.attention_core import LocalAttention, expand_kv
-from hf_memo.runtime.executor import MemoLayerFunction
+from hf_memo.runtime.executor import MemoLayerFunction, project_rows
 from hf_memo.runtime.memo import MemoRuntime
+from tests.stash_recording import RecordingSource, attention_output_copies
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, WIDTH = 4, 2, 3, 12, 20
 
@@ -33,7 +34,7 @@ class ToySplit:
         return q * pos, k * pos, v
 
     def finish(self, x, o):
-        h = x + o @ self.wo
+        h = x + project_rows(lambda rows: rows @ self.wo, o)
         return h + F.dropout(F.gelu(h @ self.w1), self.dropout, training=True) @ self.w2
 
     def kept(self):
@@ -134,3 +135,27 @@ def test_swapped_layer_holds_no_device_copy_of_its_input(index, freed):
     assert (storage() is None) == freed
     y.sum().backward()
     assert x0.grad is not None and torch.isfinite(x0.grad).all()
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_offloading_every_token_stashes_one_copy_of_the_attention_output(chunks):
+    """alpha = 1: the layer keeps its attention output once (the kernel's output, laid out (B, S, h, D) so that
+    the rows o-proj reads are views of it), not the output plus a (B, S, h * D) copy; gradients stay exact."""
+    params = _params()
+    split = ToySplit(params, torch.linspace(0.5, 1.5, 10, dtype=torch.float64))
+    x = torch.randn(2, 10, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(2, 10, HIDDEN, dtype=torch.float64)
+    want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
+    source = RecordingSource()
+
+    def fn(t):
+        return MemoLayerFunction.apply(source, split, LocalAttention, 2, chunk_bounds(10, chunks), chunks, t, *params)
+
+    got_y, got_grads = _run(fn, x, params, upstream)
+    with torch.no_grad():
+        q, k, v = split.project(x, 0, 10)
+        out = F.scaled_dot_product_attention(q, expand_kv(k, 2), expand_kv(v, 2), is_causal=True, scale=split.scale)
+    assert attention_output_copies(source.stash, out) == 1
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -13,6 +13,7 @@ from transformers.models.gpt2 import modeling_gpt2 as hf
 from hf_memo.config import MemoConfig
 from hf_memo.patches.classes import install_on_class
 from hf_memo.patches.family import Family
+from hf_memo.runtime.executor import project_rows
 
 
 def _intermediate_size(config: PretrainedConfig) -> int:
@@ -42,7 +43,7 @@ class GPT2Split:
         return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        h = self.attn.resid_dropout(self.attn.c_proj(o.contiguous())) + x  # Conv1D views its input
+        h = self.attn.resid_dropout(project_rows(self.attn.c_proj, o)) + x
         return h + self.block.mlp(self.block.ln_2(h))
 
     def kept(self) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from transformers.models.llama import modeling_llama as hf
 from hf_memo.config import MemoConfig
 from hf_memo.patches.classes import install_on_class
 from hf_memo.patches.family import Family
+from hf_memo.runtime.executor import project_rows
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -49,7 +50,7 @@ class LlamaLayoutSplit:
         return q, k, v
 
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn.o_proj(o)
+        h = x + project_rows(self.attn.o_proj, o)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
     def kept(self) -> list[torch.Tensor]:

@@ -6,7 +6,12 @@ One decoder layer is split by its model family into three per-call pieces (a :cl
   sequence, ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``;
 * the attention core over the whole sequence (never recomputed: its output and softmax statistics
   are kept and its backward is called directly);
-* ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``.
+* ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``
+  (o_proj through :func:`project_rows`).
+
+q, k and v are gathered into ``(B, S, h, D)`` memory (passed as ``(B, h, S, D)`` views), so the kernels
+write the attention output in that order too and its rows ``(B, S, h * D)`` are a view of it: the
+stash keeps one copy of the attention output, however many chunks read it.
 
 Everything but attention is per token, so the sequence is cut into mini-sequence chunks. The first
 ``alpha_chunks`` chunks ("offloaded tokens") build their autograd graph in forward with every saved
@@ -17,6 +22,8 @@ attention output. The stash goes to host memory for all but the last two layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -26,6 +33,19 @@ from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState
 from hf_memo.runtime.attention_core import AttentionStats
 from hf_memo.runtime.stash import LayerStash, stash_hooks
+
+
+def project_rows(projection: Callable[[torch.Tensor], torch.Tensor], o: torch.Tensor) -> torch.Tensor:
+    """``projection`` (o_proj) of attention-output rows ``o`` ``(B, s, h*D) -> (B, s, H)`` without copying them.
+
+    The rows ``finish`` gets are views of the attention output; with several sequences they are not
+    contiguous, and a matmul (or GPT-2's ``Conv1D``) would flatten them into a copy and save that copy
+    for the weight gradient, beside the attention output. Each sequence's rows are contiguous, so
+    they are projected one sequence at a time instead.
+    """
+    if o.is_contiguous():
+        return projection(o)
+    return torch.stack([projection(rows) for rows in o.unbind(0)])
 
 
 class LayerSplit(Protocol):
@@ -106,6 +126,19 @@ def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t[:, start:stop]
 
 
+def _gather_heads(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Chunks ``(B, h, s_i, D)`` -> ``(B, h, S, D)``, a view of ``(B, S, h, D)`` memory (one copy)."""
+    return torch.cat([t.transpose(1, 2) for t in parts], dim=1).transpose(1, 2)
+
+
+def _sequence_major(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(B, h, S, D)`` as a view of ``(B, S, h, D)`` memory: itself when it is one (the local kernels),
+    else one relaid copy (e.g. after a sequence-parallel exchange), so only that copy is kept."""
+    if out.transpose(1, 2).is_contiguous():
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 class MemoLayerFunction(torch.autograd.Function):
     """One decoder layer under the memo executor; parameters are inputs and get their gradients from here."""
 
@@ -143,13 +176,14 @@ class MemoLayerFunction(torch.autograd.Function):
                 for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
                     parts.append(t)
         ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
-        q, k, v = (torch.cat(parts, dim=2) for parts in qkv)
+        q, k, v = (_gather_heads(parts) for parts in qkv)
         del qkv
         out, stats = core.forward(q, k, v, split.scale)
         runtime.attention_ran()
         del q, k, v
-        ctx.o_ref, ctx.lse_ref, ctx.stats_extra = stash.add(out), stash.add(stats.lse), stats.extra
-        o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+        out = _sequence_major(out)
+        ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out), stash.add(stats.lse), replace(stats, lse=None)
+        o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # a view: out is (B, S, h, D) in memory
 
         y = None
         ctx.post_graphs, ctx.post_replays = [], []
@@ -217,9 +251,9 @@ class MemoLayerFunction(torch.autograd.Function):
             with torch.no_grad(), replay.replay():
                 for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
                     parts.append(t)
-        q, k, v = (torch.cat(parts, dim=2) for parts in qkv)
+        q, k, v = (_gather_heads(parts) for parts in qkv)
         del qkv
-        stats = AttentionStats(stash.rebuild(ctx.lse_ref), ctx.stats_extra)
+        stats = replace(ctx.stats, lse=stash.rebuild(ctx.lse_ref))
         grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
         dq, dk, dv = ctx.core.backward(grad_out, q, k, v, out, stats, split.scale)
         del q, k, v, grad_o, grad_out, out, o_rows
