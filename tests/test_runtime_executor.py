@@ -24,6 +24,7 @@ class ToySplit:
         self.norm, self.wq, self.wk, self.wv, self.wo, self.w1, self.w2 = params
         self.positions, self.dropout = positions, dropout
         self.scale = HEAD_DIM**-0.5
+        self.dropout_p = 0.0  # attention dropout
 
     def project(self, x, start, stop):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm

@@ -33,10 +33,10 @@ class UlyssesAttention:
         return gather_heads_scatter_sequence(x.contiguous(), self.group)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
     ) -> tuple[torch.Tensor, AttentionStats]:
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
-        out, stats = attention_forward(self._scatter(q), self._scatter(k), self._scatter(v), scale)
+        out, stats = attention_forward(self._scatter(q), self._scatter(k), self._scatter(v), scale, dropout_p)
         return self._gather(out), stats
 
     def backward(

@@ -25,17 +25,14 @@ class GPT2Split:
 
     ``project``: ``ln_1`` and the fused ``c_attn``: ``(B, s, H) -> q, k, v (B, h, s, D)`` (positions were
     added to the embeddings). ``finish``: ``c_proj`` with residual dropout, residual, ``ln_2``, MLP,
-    residual: ``(B, s, H), (B, s, h*D) -> (B, s, H)``.
+    residual: ``(B, s, H), (B, s, h*D) -> (B, s, H)``. ``dropout_p``: ``attn_pdrop`` in training (the
+    attention core applies it), else 0.
     """
 
     def __init__(self, block: nn.Module, position_embeddings: Any = None) -> None:
         self.block, self.attn = block, block.attn
         self.scale = self.attn.scaling
-        if self.attn.training and self.attn.attn_dropout.p > 0:
-            raise ValueError(
-                "recompute='memo' computes attention without dropout; set the GPT-2 config's attn_pdrop to 0 "
-                f"(got {self.attn.attn_dropout.p})"
-            )
+        self.dropout_p = self.attn.attn_dropout.p if self.attn.training else 0.0
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = self.attn.c_attn(self.block.ln_1(x)).split(self.attn.split_size, dim=2)

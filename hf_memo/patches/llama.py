@@ -25,18 +25,15 @@ class LlamaLayoutSplit:
 
     ``project``: input norm, q/k/v projections, optional per-head q/k norms (Qwen3), RoPE with the
     rows' positions: ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``. ``finish``: o_proj,
-    residual, post-attention norm, MLP, residual: ``(B, s, H), (B, s, h*D) -> (B, s, H)``.
+    residual, post-attention norm, MLP, residual: ``(B, s, H), (B, s, h*D) -> (B, s, H)``. ``dropout_p``:
+    the config's ``attention_dropout`` in training (the attention core applies it), else 0.
     """
 
     def __init__(self, layer: nn.Module, position_embeddings: tuple[torch.Tensor, torch.Tensor], rope: Rope) -> None:
         self.layer, self.attn, self.rope = layer, layer.self_attn, rope
         self.cos, self.sin = position_embeddings
         self.scale = self.attn.scaling
-        if self.attn.training and self.attn.attention_dropout > 0:
-            raise ValueError(
-                f"recompute='memo' computes attention without dropout; set the model config's attention_dropout "
-                f"to 0 (got {self.attn.attention_dropout})"
-            )
+        self.dropout_p = self.attn.attention_dropout if self.attn.training else 0.0
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.attn

@@ -4,8 +4,8 @@ One decoder layer is split by its model family into three per-call pieces (a :cl
 
 * ``project(x_rows, start, stop)``: norm, q/k/v projections and RoPE for rows ``[start, stop)`` of the
   sequence, ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``;
-* the attention core over the whole sequence (never recomputed: its output and softmax statistics
-  are kept and its backward is called directly);
+* the attention core over the whole sequence (never recomputed: its output and softmax statistics,
+  with what replays its dropout mask, are kept and its backward is called directly);
 * ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``
   (o_proj through :func:`project_rows`).
 
@@ -52,6 +52,7 @@ class LayerSplit(Protocol):
     """A decoder layer cut around its attention core (see the module docstring)."""
 
     scale: float
+    dropout_p: float  # attention dropout probability of this call (0 outside training)
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -66,7 +67,7 @@ class AttentionCore(Protocol):
     """Causal attention as a forward/backward pair on ``(B, h, S, D)`` tensors (see :mod:`.attention_core`)."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
     ) -> tuple[torch.Tensor, AttentionStats]: ...
 
     def backward(
@@ -178,7 +179,7 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
         q, k, v = (_gather_heads(parts) for parts in qkv)
         del qkv
-        out, stats = core.forward(q, k, v, split.scale)
+        out, stats = core.forward(q, k, v, split.scale, split.dropout_p)
         runtime.attention_ran()
         del q, k, v
         out = _sequence_major(out)
