@@ -1,0 +1,144 @@
+"""The attention core's CUDA backends (GPU only): values and gradients against SDPA autograd, output layout, K/V
+reaching the flash kernels unexpanded, and dropout masks replayed from the kernels' Philox seed/offset (the same
+kernel under SDPA with the same device RNG state draws the same mask)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_memo
+from hf_memo.runtime import flash_attn_package
+from hf_memo.runtime.attention_core import attention_backward, attention_forward, backend_for
+from tests.conftest import build_model, make_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA attention kernels need a GPU")
+
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4}
+KERNEL = {"cuda-flash": SDPBackend.FLASH_ATTENTION, "cuda-efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """PyTorch's CUDA kernels even where flash-attn is installed (it has its own test below)."""
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: None)
+
+
+def _inputs(dtype, heads, kv_heads, seq=300, dim=64, batch=2):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seq, heads, dim, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    kv_shape = (batch, seq, kv_heads, dim)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=dtype, generator=gen).transpose(1, 2) for _ in "kv")
+    upstream = torch.randn(batch, seq, heads, dim, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
+    return q, k, v, upstream
+
+
+def _sdpa(q, k, v, upstream, dropout_p, kernel=None):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with sdpa_kernel(kernel) if kernel is not None else torch.enable_grad():
+        out = F.scaled_dot_product_attention(
+            *leaves, is_causal=True, dropout_p=dropout_p, scale=0.125, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    out.backward(upstream)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _close(got, want, dtype):
+    error = ((got.float() - want.float()).abs().max() / (want.float().abs().max() + 1e-6)).item()
+    assert error < TOLERANCE[dtype], error
+
+
+class _FlashCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.kv_heads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention.default:
+            self.kv_heads.append(args[1].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_values_gradients_and_layout_against_sdpa(torch_kernels, dtype, kv_heads):
+    q, k, v, upstream = _inputs(dtype, 4, kv_heads)
+    with _FlashCalls() as calls:
+        out, stats = attention_forward(q, k, v, 0.125)
+    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125)
+    want, grads = _sdpa(q, k, v, upstream, 0.0)
+    assert out.transpose(1, 2).is_contiguous()  # (B, S, h, D) memory: the executor's rows are views
+    if backend_for(q) == "cuda-flash":
+        assert calls.kv_heads == [kv_heads]  # grouped K/V not expanded for the flash kernel
+    for got, ref in zip((out, dq, dk, dv), (want, *grads)):
+        assert got.shape == ref.shape
+        _close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype,kv_heads", [(torch.bfloat16, 1), (torch.bfloat16, 4), (torch.float32, 4)])
+def test_dropout_mask_is_the_kernels_and_is_replayed_in_backward(torch_kernels, dtype, kv_heads):
+    """Same device RNG state, same kernel: SDPA with dropout draws the mask the core drew; the core's backward
+    (from the kept seed/offset) must then give SDPA's gradients. The efficient kernel needs equal head counts
+    under SDPA, so it is checked without grouping."""
+    q, k, v, upstream = _inputs(dtype, 4, kv_heads)
+    backend = backend_for(q, 0.2)
+    torch.cuda.manual_seed(7)
+    out, stats = attention_forward(q, k, v, 0.125, 0.2)
+    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125)
+    torch.cuda.manual_seed(7)
+    want, grads = _sdpa(q, k, v, upstream, 0.2, KERNEL[backend])
+    assert stats.dropout_p == 0.2
+    for got, ref in zip((out, dq, dk, dv), (want, *grads)):
+        _close(got, ref, dtype)
+    torch.cuda.manual_seed(8)
+    other, _ = _sdpa(q, k, v, upstream, 0.2, KERNEL[backend])
+    assert (other.float() - out.float()).abs().max() > 10 * TOLERANCE[dtype] * out.float().abs().max()
+
+
+@pytest.mark.skipif(flash_attn_package.flash_attn_interface() is None, reason="flash-attn 2.7/2.8 not installed")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_flash_attn_backend_against_flash_attn_func(dropout_p):
+    from flash_attn import flash_attn_func
+
+    q, k, v, upstream = _inputs(torch.bfloat16, 4, 1)
+    assert backend_for(q) == "flash-attn"
+    torch.cuda.manual_seed(3)
+    out, stats = attention_forward(q, k, v, 0.125, dropout_p)
+    grads = attention_backward(upstream, q, k, v, out, stats, 0.125)
+    leaves = [t.detach().transpose(1, 2).clone().requires_grad_(True) for t in (q, k, v)]
+    torch.cuda.manual_seed(3)
+    want = flash_attn_func(*leaves, dropout_p=dropout_p, softmax_scale=0.125, causal=True)
+    want.backward(upstream.transpose(1, 2))
+    _close(out, want.transpose(1, 2), torch.bfloat16)
+    for got, leaf in zip(grads, leaves):
+        _close(got, leaf.grad.transpose(1, 2), torch.bfloat16)
+
+
+def _relative(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_memo_with_attention_dropout_tracks_unpatched_sdpa_on_the_gpu(torch_kernels):
+    """bf16 Llama (GQA) with attention dropout: memo draws its masks from the device RNG in the same order and with
+    the same flash kernel as transformers' SDPA, so loss and gradients agree to bf16 precision; a different seed
+    (another mask) moves them much further."""
+    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=3, attention_dropout=0.2).cuda()
+    reference = copy.deepcopy(model)
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.5, mlp_chunks=4)
+    ids, labels = (t.cuda() for t in make_batch(2, 64))
+    results = []
+    for net, seed in ((model, 1), (reference, 1), (reference, 2)):
+        net.zero_grad()
+        torch.cuda.manual_seed(seed)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            loss = net(input_ids=ids, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in net.parameters()]))
+    (memo_loss, memo_grads), (ref_loss, ref_grads), (other_loss, other_grads) = results
+    same = max(_relative(g, r) for g, r in zip(memo_grads, ref_grads))
+    different = max(_relative(g, r) for g, r in zip(other_grads, ref_grads))
+    assert same < 0.1 * different and same < 5e-2, (same, different)
+    assert abs(memo_loss - ref_loss) < 0.1 * abs(other_loss - ref_loss)
