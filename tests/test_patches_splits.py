@@ -47,10 +47,19 @@ def test_memo_with_attention_dropout_matches_unpatched_with_the_same_mask(monkey
     """The unpatched model runs transformers' own layers with the "sdpa" attention function replaced by explicit
     math that applies the mask the memo core's mask source gives for the seed drawn at that call; both models
     draw one seed per layer from the CPU generator in the same order. Loss and every gradient must agree."""
+    _compare_with_masked_reference(monkeypatch, family, offload_fraction=alpha)
+
+
+def test_attention_dropout_with_the_memory_planner(monkeypatch):
+    """The planner profiles a fake step (no mask values exist there): it must not disturb the real one."""
+    _compare_with_masked_reference(monkeypatch, "gpt2", offload_fraction=0.5, planner="greedy")
+
+
+def _compare_with_masked_reference(monkeypatch, family, **memo):
     layers = {"n_layer": 3} if family == "gpt2" else {"num_hidden_layers": 3}
     model = build_model(family, **layers, **DROPOUT[family])
     reference = copy.deepcopy(model)
-    hf_memo.apply(model, recompute="memo", offload_fraction=alpha, mlp_chunks=4, lm_head_chunks=3)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=4, lm_head_chunks=3, **memo)
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", _masked_attention)
     ids, labels = make_batch(2, 19)
     got, want = _loss_and_backward(model, ids, labels), _loss_and_backward(reference, ids, labels)

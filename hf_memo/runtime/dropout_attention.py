@@ -25,14 +25,20 @@ each direction; transient memory ``O(B h r S)`` per block with ``r`` chosen so a
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 BLOCK_ELEMENTS = 1 << 22  # scores per block (B * h * rows * keys); 32 MiB per fp64 temporary
 _MASK32 = 0xFFFFFFFF
 
 
 def draw_seed() -> int:
-    """A fresh 32-bit mask seed from PyTorch's default CPU generator (advances it like a dropout call)."""
-    return int(torch.randint(0, 1 << 32, (), dtype=torch.int64))
+    """A fresh 32-bit mask seed from PyTorch's default CPU generator (advances it like a dropout call).
+
+    Under ``FakeTensorMode`` (memory profiling, e.g. the planner's fake step) no value exists and none
+    matters: the seed is 0.
+    """
+    seed = torch.randint(0, 1 << 32, (), dtype=torch.int64)
+    return 0 if is_fake(seed) else int(seed)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
