@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import hf_memo
 from hf_memo import MemoCallback, MemoConfig
 from hf_memo.integrations import trainer as memo_trainer
+from hf_memo.integrations.flops import FlopModel
 from hf_memo.integrations.trainer import (
     ALPHA,
     DEVICE_PEAK,
@@ -19,8 +20,6 @@ from hf_memo.integrations.trainer import (
     PROCESS_PEAK_RSS,
     TOKENS_PER_GPU_PER_SECOND,
     TOKENS_PER_SECOND,
-    model_flops_per_sequence,
-    peak_flops_of,
 )
 from hf_memo.patches.apply import memo_runtime
 from hf_memo.planner.plan import MemoryPlan
@@ -63,6 +62,26 @@ class TokenRows(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+class LaidOutRows(Dataset):
+    """Markov-chain rows of ``SEQ`` tokens packed (``position_ids`` restarting) or padded (``attention_mask``)."""
+
+    def __init__(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
+        self.tokens = markov_tokens(8, SEQ)
+        self.position_ids, self.attention_mask = position_ids, attention_mask
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = {"input_ids": self.tokens[index], "labels": self.tokens[index].clone()}
+        if self.position_ids is not None:
+            row["position_ids"] = self.position_ids
+        if self.attention_mask is not None:
+            row["attention_mask"] = self.attention_mask
+            row["labels"][self.attention_mask == 0] = -100
+        return row
 
 
 class Recorder(TrainerCallback):
@@ -152,8 +171,7 @@ def test_logged_metrics_are_present_sane_and_reach_callbacks_before_it(memo_and_
         assert entry[HOST_OFFLOAD] == runtime.host_reserved_bytes / 2**30 > 0
         assert entry[ALPHA] == runtime.plan.alpha == 0.5
         assert entry[TOKENS_PER_GPU_PER_SECOND] == entry[TOKENS_PER_SECOND] > 0  # one process
-        params = sum(p.numel() for p in memo.model.parameters())
-        flops_per_token = model_flops_per_sequence(SEQ, params, 4, 32) / SEQ
+        flops_per_token = FlopModel.of(memo.model).flops(SEQ, SEQ**2) / SEQ
         assert entry[MFU] == pytest.approx(entry[TOKENS_PER_SECOND] * flops_per_token / 1e12, rel=1e-12)
         busy += BATCH * SEQ / entry[TOKENS_PER_SECOND]  # the training time each entry measured
     assert 0 < busy <= wall
@@ -161,6 +179,32 @@ def test_logged_metrics_are_present_sane_and_reach_callbacks_before_it(memo_and_
     recorded = [log for log in recorder.logs if "loss" in log]
     assert [log[TOKENS_PER_SECOND] for log in recorded] == [e[TOKENS_PER_SECOND] for e in entries]
     assert all(MFU in log and ALPHA in log for log in recorded)
+
+
+def _restarting(*lengths: int) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+@pytest.mark.parametrize(
+    ("position_ids", "attention_mask", "tokens", "squared_lengths"),
+    [
+        (_restarting(20, 31, 13), None, 64, 20**2 + 31**2 + 13**2),  # packed: Σ s_i**2, not S**2
+        (None, torch.tensor([1] * 40 + [0] * 24), 40, 40**2),  # right padding: 24 tokens of no work
+        (_restarting(10, 30, 24), torch.tensor([1] * 40 + [0] * 24), 40, 10**2 + 30**2),  # packed, then padding
+    ],
+)
+def test_mfu_and_tokens_per_second_count_real_tokens_and_attention_per_sample(
+    tmp_path, position_ids, attention_mask, tokens, squared_lengths
+):
+    trainer = make_trainer(
+        tmp_path, callbacks=[MemoCallback(peak_flops=1e12)], steps=2, dataset=LaidOutRows(position_ids, attention_mask)
+    )
+    trainer.train()
+    params = 4 * (32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 72 + 2 * 32) + 32 + VOCAB * 32  # no embedding
+    flops_per_step = BATCH * (6 * params * tokens + 6 * 4 * 32 * squared_lengths)  # 4 layers, query width 32
+    for entry in (e for e in trainer.state.log_history if "loss" in e):
+        seconds = BATCH * tokens / entry[TOKENS_PER_SECOND]  # one step per log
+        assert entry[MFU] == pytest.approx(flops_per_step / seconds / 1e12, rel=1e-12)
 
 
 def test_other_recompute_modes_log_no_alpha_no_offload_and_no_mfu_without_a_peak(tmp_path):
@@ -250,26 +294,6 @@ def test_bad_callback_arguments_are_refused():
         MemoCallback(peak_flops=-1)
     with pytest.raises(ValueError, match="config must be a MemoConfig or None, got dict"):
         MemoCallback({"recompute": "memo"})
-
-
-@pytest.mark.parametrize(
-    ("name", "flops"),
-    [
-        ("NVIDIA H200", 989e12),
-        ("NVIDIA H200 NVL", 835e12),
-        ("NVIDIA GH200 480GB", 989e12),
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA H100 PCIe", 756e12),
-        ("NVIDIA H100 NVL", 835e12),
-        ("NVIDIA A100-SXM4-80GB", 312e12),
-        ("NVIDIA A100-PCIE-40GB", 312e12),
-        ("NVIDIA L40S", 362e12),
-        ("NVIDIA L4", 121e12),
-        ("NVIDIA GeForce RTX 3090", None),
-    ],
-)
-def test_peak_flops_of_known_gpus(name, flops):
-    assert peak_flops_of(name) == flops
 
 
 def test_plan_fit_survives_the_plan_file(tmp_path):

@@ -26,19 +26,21 @@ W&B... receive them:
     Host bytes held by the memo executor's offload pools (reused across steps), in GiB; 0 for the
     other recompute modes.
 ``hf_memo/tokens_per_second``
-    Input tokens (``B * S`` of every training forward, padding and prompt tokens included) of all
-    data-parallel replicas, divided by the training time of the steps since the previous log. Training
-    time is wall time from the end of the previous step (or of the evaluation, checkpoint or log that
-    followed it) to the end of each step: data loading, forward, backward and optimizer step, without
-    evaluation, checkpointing or the one-time planning. Replicas are assumed to see batches of this
-    process's shape; ranks of one sequence-parallel group share their replica's tokens.
+    Real tokens of every training forward (padding, where the ``attention_mask`` is 0, left out; prompt
+    tokens included) of all data-parallel replicas, divided by the training time of the steps since the
+    previous log. Training time is wall time from the end of the previous step (or of the evaluation,
+    checkpoint or log that followed it) to the end of each step: data loading, forward, backward and
+    optimizer step, without evaluation, checkpointing or the one-time planning. Replicas are assumed to
+    see batches like this process's; ranks of one sequence-parallel group share their replica's tokens.
 ``hf_memo/tokens_per_gpu_per_second``
     ``tokens_per_second`` divided by the number of processes (GPUs).
 ``hf_memo/mfu``
-    Model FLOPs utilisation: model FLOPs of the interval over ``training time * peak FLOP/s * processes``,
-    with the MEMO/MsT papers' model FLOPs per sequence of ``S`` tokens, ``6 * S * P + 6 * n * h * S**2``
-    (``P`` all parameters, frozen ones included, ``n`` decoder layers, ``h`` hidden size). The peak is the
-    ``peak_flops`` given, else the bf16 dense tensor-core peak of a known GPU (:data:`PEAK_BF16_FLOPS`);
+    Model FLOPs utilisation: model FLOPs of the interval over ``training time * peak FLOP/s * processes``.
+    Model FLOPs (:mod:`hf_memo.integrations.flops`, shared with the benchmark suite) count, per real
+    token, 6 per trainable and 4 per frozen matrix weight (embedding lookups none), plus causal
+    attention per sample: ``6 * n * a * Σ s_i**2`` over the samples ``s_i`` of each row (packed rows
+    split where ``position_ids`` restart, padding left out). The peak is the ``peak_flops`` given, else
+    the bf16 dense tensor-core peak of a known GPU (:data:`~hf_memo.integrations.flops.PEAK_BF16_FLOPS`);
     left out when neither is known (CPU, other GPUs).
 ``hf_memo/alpha``
     ``recompute="memo"`` only: the offload fraction the executor solved for the latest layer shape.
@@ -51,7 +53,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import time
 import warnings
@@ -64,6 +65,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from hf_memo.config import MemoConfig
+from hf_memo.integrations.flops import FlopModel, peak_flops_of, token_counts
 from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 from hf_memo.patches.planning import plan_training_step
 from hf_memo.planner.plan import MemoryPlan
@@ -81,33 +83,6 @@ TOKENS_PER_SECOND = "hf_memo/tokens_per_second"
 TOKENS_PER_GPU_PER_SECOND = "hf_memo/tokens_per_gpu_per_second"
 MFU = "hf_memo/mfu"
 ALPHA = "hf_memo/alpha"
-
-# bf16 dense tensor-core peak FLOP/s of one GPU (vendor data sheets), by a word of torch.cuda.get_device_name().
-# More specific names come first.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835e12),
-    ("GH200", 989e12),
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-)
-
-
-def peak_flops_of(device_name: str) -> float | None:
-    """The bf16 dense peak FLOP/s of a GPU called ``device_name`` (as CUDA names it), or ``None`` if unknown."""
-    for pattern, flops in PEAK_BF16_FLOPS:
-        if re.search(rf"\b{re.escape(pattern)}\b", device_name):
-            return flops
-    return None
-
-
-def model_flops_per_sequence(seq_len: int, params: int, layers: int, hidden: int) -> float:
-    """Model FLOPs of forward + backward over one sequence of ``seq_len`` tokens: ``6*s*P + 6*n*h*s**2``."""
-    return 6.0 * seq_len * params + 6.0 * layers * hidden * seq_len**2
 
 
 def peak_rss_bytes() -> int:
@@ -178,13 +153,12 @@ def plan_fit(model: nn.Module, config: MemoConfig, batch_size: int, seq_len: int
     return json.loads(json.dumps(fit))  # as it reads back from the plan file
 
 
-def _batch_shape(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int] | None:
+def _batch_input(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The forward's ``input_ids`` ``(B, S)`` or ``inputs_embeds`` ``(B, S, H)``, if it has one."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
-    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
-        return None
-    return int(ids.shape[0]), int(ids.shape[1])
+    return ids if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
 
 
 class MemoCallback(TrainerCallback):
@@ -312,13 +286,11 @@ class MemoCallback(TrainerCallback):
     # -- metrics -------------------------------------------------------------------------------------------
     def _start(self, args: TrainingArguments, model: nn.Module) -> None:
         config = applied_config(model)
-        text = causal_lm_of(model).config.get_text_config()
         self._model, self._args = model, args
         self._needs_plan = (
             memo_runtime(model) is not None and config.planner != "off" and config.sequence_parallel_size == 1
         )
-        self._params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 partitions
-        self._layers, self._hidden = text.num_hidden_layers, text.hidden_size
+        self._flop_model = FlopModel.of(model)
         self._world = max(args.world_size, 1)
         self._replicas = max(self._world // config.sequence_parallel_size, 1)
         self._peak_flops = self.peak_flops
@@ -332,8 +304,8 @@ class MemoCallback(TrainerCallback):
         self._reset_interval()
 
     def _reset_interval(self) -> None:
-        self._tokens = 0
-        self._flops = 0.0
+        self._tokens: torch.Tensor | int = 0  # Σ s_i and Σ s_i**2 over the interval's samples (device tensors)
+        self._squared_lengths: torch.Tensor | int = 0
         self._seconds = 0.0
         self._excluded = 0.0
         self._clock = time.perf_counter()
@@ -341,12 +313,13 @@ class MemoCallback(TrainerCallback):
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        shape = _batch_shape(args, kwargs)
-        if shape is None:
+        ids = _batch_input(args, kwargs)
+        if ids is None:
             return
-        batch_size, seq_len = shape
-        self._tokens += batch_size * seq_len
-        self._flops += batch_size * model_flops_per_sequence(seq_len, self._params, self._layers, self._hidden)
+        batch_size, seq_len = int(ids.shape[0]), int(ids.shape[1])
+        tokens, squared = token_counts(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        self._tokens = self._tokens + tokens
+        self._squared_lengths = self._squared_lengths + squared
         if self._needs_plan:
             self._needs_plan = False
             began = time.perf_counter()
@@ -363,12 +336,14 @@ class MemoCallback(TrainerCallback):
         runtime = memo_runtime(self._model)
         metrics[HOST_OFFLOAD] = (runtime.host_reserved_bytes if runtime is not None else 0) / GiB
         seconds = self._seconds - self._excluded
-        if seconds > 0 and self._tokens > 0:
-            tokens_per_second = self._tokens * self._replicas / seconds
+        tokens = int(self._tokens)
+        if seconds > 0 and tokens > 0:
+            tokens_per_second = tokens * self._replicas / seconds
             metrics[TOKENS_PER_SECOND] = tokens_per_second
             metrics[TOKENS_PER_GPU_PER_SECOND] = tokens_per_second / self._world
             if self._peak_flops is not None:
-                metrics[MFU] = self._flops * self._replicas / (seconds * self._peak_flops * self._world)
+                flops = self._flop_model.flops(tokens, int(self._squared_lengths))
+                metrics[MFU] = flops * self._replicas / (seconds * self._peak_flops * self._world)
         if runtime is not None and runtime.plan is not None:
             metrics[ALPHA] = runtime.plan.alpha
         return metrics
