@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -22,11 +23,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.suite import __main__ as cli
 from benchmarks.suite import acceptance, worker
-from benchmarks.suite.contenders import CONTENDERS, unavailable_reason
-from benchmarks.suite.metrics import device_slug, flops_at, matmul_parameters, model_flops
+from benchmarks.suite.contenders import ALLOC_CONF, CONTENDERS, unavailable_reason
+from benchmarks.suite.metrics import device_slug
+from benchmarks.suite.report import _length
+from benchmarks.suite.runner import Budget, Device, SuiteRunner, detect_device
 from benchmarks.suite.search import length_grid, longest, next_length
-from benchmarks.suite.store import ResultStore
+from benchmarks.suite.store import ResultStore, fits_of
 from benchmarks.suite.suites import DRY_RUN_SCALE, suite
+from hf_memo.integrations.flops import FlopModel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = "llama3-8b-lora"
@@ -53,7 +57,7 @@ def test_search_finds_the_exact_limit_with_logarithmic_runs(seed):
         found = longest(grid, fits)
         assert found.complete
         assert found.seq_len == limit, f"limit {limit}: found {found.seq_len}"
-        assert found.at_grid_max == (limit == grid[-1])
+        assert found.exact == (limit != grid[-1])  # at the grid's end the true limit may be longer
         assert runs <= 2 * math.ceil(math.log2(len(grid))) + 1, f"limit {limit}: {runs} runs"
 
 
@@ -69,17 +73,85 @@ def test_grid_rejects_a_maximum_off_the_step():
         length_grid(16, 100)
 
 
-def test_model_flops_formula_and_the_parameters_it_counts():
-    assert model_flops(2, params=10, layers=1, hidden=3) == 6 * 2 * 10 + 6 * 1 * 3 * 2**2
-    ref = model_flops(4096, 7_000_000, 4, 256)
-    assert flops_at(8192, ref, 4096, 4, 256) == pytest.approx(model_flops(8192, 7_000_000, 4, 256))
-    kwargs = dict(vocab_size=101, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4)
-    for tied in (False, True):
-        model = LlamaForCausalLM(LlamaConfig(**kwargs, tie_word_embeddings=tied))
-        unique = sum(p.numel() for p in model.parameters())
-        # the embedding lookup is no matrix product; a tied head still is one
-        expected = unique if tied else unique - 101 * 32
-        assert matmul_parameters(model) == expected
+def test_a_timeout_or_any_failure_but_device_memory_leaves_a_lower_bound():
+    grid = length_grid(16, 1024)
+    for status in ("timeout", "too_slow", "host_oom", "pinned_oom", "error"):
+        fits = fits_of([_row("hf", 16), _row("hf", 32), _row("hf", 64, status)])
+        assert fits == {16: True, 32: True, 64: None}
+        assert next_length(grid, fits) == 48  # still bisects below it
+        fits[48] = True
+        found = longest(grid, fits)
+        assert (found.seq_len, found.complete, found.exact) == (48, True, False)
+        assert _length(found) == "≥ 48"
+    fits = fits_of([_row("hf", 16), _row("hf", 32), _row("hf", 48, "device_oom"), _row("hf", 64, "timeout")])
+    found = longest(grid, fits)
+    assert (found.seq_len, found.complete, found.exact) == (32, True, True) and _length(found) == "32"
+    assert _length(longest(grid, fits_of([_row("hf", 16, "timeout")]))) == "—"
+    assert _length(longest(grid, fits_of([_row("hf", 16, "device_oom")]))) == "none"
+
+
+def _failure(raiser) -> str:
+    try:
+        raiser()
+    except Exception as error:
+        return worker.classify(error)
+    raise AssertionError("nothing raised")
+
+
+def _pin_buffer():
+    raise RuntimeError("CUDA error: out of memory")  # PyTorch's message when cudaHostAlloc fails
+
+
+def _device_kernel():
+    raise RuntimeError("CUDA error: out of memory")
+
+
+def test_failures_are_classified_as_pinned_host_or_device_memory_or_an_error():
+    def raises(error):
+        def raiser():
+            raise error
+
+        return raiser
+
+    assert _failure(_pin_buffer) == "pinned_oom"
+    assert _failure(lambda: torch.empty(2**62, dtype=torch.uint8)) == "host_oom"  # the CPU allocator's own error
+    assert _failure(raises(MemoryError())) == "host_oom"
+    assert _failure(raises(RuntimeError("cudaHostRegister could not pin 4096 bytes of host memory"))) == "pinned_oom"
+    assert _failure(raises(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))) == "device_oom"
+    assert _failure(_device_kernel) == "device_oom"
+    assert _failure(raises(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))) == "device_oom"
+    assert _failure(raises(ValueError("shapes do not match"))) == "error"
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA A100-SXM4-80GB", 312)],
+)
+def test_mfu_peak_is_known_for_h100_h200_and_a100_not_only_one_exact_name(monkeypatch, name, tflops):
+    monkeypatch.setattr(
+        "benchmarks.suite.runner.subprocess.run", lambda *a, **k: subprocess.CompletedProcess(a, 0, name + "\n", "")
+    )
+    assert detect_device(dry_run=False, peak_tflops=None) == Device(name, tflops * 1e12)
+    assert detect_device(dry_run=False, peak_tflops=100.0) == Device(name, 100e12)
+
+
+def test_step_time_predictions_use_steady_state_steps_only(tmp_path):
+    plan = suite("h200").plan(dry_run=False)  # 480 s limit: a prediction over 384 s is not run
+    store = ResultStore(tmp_path, "h200")
+    model = FlopModel(trainable=1000, frozen=7000, layers=2, attention_width=64)
+    runner = SuiteRunner(suite("h200"), plan, store, Device("NVIDIA H200", 989e12), Budget(None), force=False)
+    k = 1024
+    # a probe's only step took 300 s (calibration, planning, pinning, warm-up): no prediction from it
+    store.put(_row("memo-auto", 16 * k, flop_model=dataclasses.asdict(model), first_step_s=300.0))
+    assert runner._predicted_too_slow(WORKLOAD, "memo-auto", 64 * k) is None
+    # a timed run's median step of 30 s at 16K: 64K costs flops(64K) / flops(16K) times that
+    store.put(_row("memo-auto", 16 * k, kind="timed", flop_model=dataclasses.asdict(model), step_s=30.0))
+    per_token, per_square = 6 * 1000 + 4 * 7000, 6 * 2 * 64
+    ratio = (per_token * 64 * k + per_square * (64 * k) ** 2) / (per_token * 16 * k + per_square * (16 * k) ** 2)
+    assert ratio * 30.0 > 384 and 8 < ratio < 16
+    outcome = runner._predicted_too_slow(WORKLOAD, "memo-auto", 64 * k)
+    assert outcome["status"] == "too_slow" and f"{ratio * 30.0:.0f} s" in outcome["reason"]
+    assert runner._predicted_too_slow(WORKLOAD, "memo-auto", 32 * k) is None  # about 120 s
 
 
 def test_device_slug():
@@ -114,13 +186,13 @@ def test_acceptance_targets_are_judged_from_recorded_rows(tmp_path):
     k = 1024
     store = ResultStore(tmp_path, "acceptance")
     for seq_len, ok in ((16 * k, True), (32 * k, True), (48 * k, False)):
-        store.put(_row(acceptance.CHECKPOINTING, seq_len, "ok" if ok else "oom"))
+        store.put(_row(acceptance.CHECKPOINTING, seq_len, "ok" if ok else "device_oom"))
     store.put(_row(acceptance.CHECKPOINTING_OFFLOAD, 128 * k, kind="timed", tokens_per_s=1000.0))
     for seq_len in (128 * k, 256 * k):
         store.put(_row(acceptance.PLANNED, seq_len, num_alloc_retries=0))
     store.put(_row(acceptance.PLANNED, 128 * k, kind="timed", tokens_per_s=1250.0, mfu=0.47, num_alloc_retries=0))
     # 256K fits, 272K runs out of memory: a complete search, 8x the checkpointing baseline
-    store.put(_row(acceptance.PLANNED, 272 * k, "oom"))
+    store.put(_row(acceptance.PLANNED, 272 * k, "device_oom"))
     verdict = acceptance.verdict(store, plan, acceptance.PLANNED)
     assert verdict.longest.seq_len == 256 * k and verdict.longest_ratio == 8.0
     assert (verdict.longest_ok, verdict.mfu_ok, verdict.speedup_ok, verdict.retries_ok) == (True, True, True, True)
@@ -129,6 +201,14 @@ def test_acceptance_targets_are_judged_from_recorded_rows(tmp_path):
     verdict = acceptance.verdict(store, plan, acceptance.PLANNED)
     assert (verdict.mfu_ok, verdict.speedup_ok, verdict.retries_ok) == (False, False, False)
     assert acceptance.verdict(store, plan, "minseq").longest_ok is None  # nothing measured: not judged
+
+    # a timeout above a length that meets the target still meets it; one above a length that misses it: not judged
+    store.put(_row(acceptance.PLANNED, 272 * k, "timeout"))
+    assert acceptance.verdict(store, plan, acceptance.PLANNED).longest_ok is True
+    for seq_len, status in ((16 * k, "ok"), (32 * k, "ok"), (48 * k, "timeout")):
+        store.put(_row("memo-auto", seq_len, status))
+    verdict = acceptance.verdict(store, plan, "memo-auto")
+    assert (verdict.longest.seq_len, verdict.longest.exact, verdict.longest_ok) == (32 * k, False, None)
 
 
 def test_command_line_rejects_bad_input_with_one_line(capsys):
@@ -211,17 +291,24 @@ def test_dry_run_times_searches_and_records_out_of_memory(dry_run):
         32 / timed["metrics"]["step_s"]
     )
     assert timed["metrics"]["peak_allocated_bytes"] > 0 and timed["env"]["device"] == "cpu"
-    assert hf[256]["status"] == "oom" and "emulated capacity" in hf[256]["reason"]
+    assert hf[256]["status"] == "device_oom" and "emulated capacity" in hf[256]["reason"]
     # the search ended between a fitting length and the next grid length, which did not fit
     found = longest(DRY_GRID, {s: r["status"] == "ok" for s, r in hf.items()})
     assert found.complete and found.seq_len is not None
-    assert hf[found.seq_len]["status"] == "ok" and hf[found.seq_len + DRY_GRID[0]]["status"] == "oom"
+    assert hf[found.seq_len]["status"] == "ok" and hf[found.seq_len + DRY_GRID[0]]["status"] == "device_oom"
     assert all(r["kind"] == "probe" for s, r in hf.items() if s not in (32, 256))
     # hf_memo fits where plain HF ran out of memory, and computes the same loss
     minseq = {r["seq_len"]: r for r in rows.values() if r["contender"] == "minseq"}
     assert minseq[256]["status"] == "ok"
     assert minseq[256]["metrics"]["peak_allocated_bytes"] < hf[256]["metrics"]["peak_allocated_bytes"]
     assert minseq[32]["metrics"]["loss"] == pytest.approx(timed["metrics"]["loss"], rel=1e-2)
+    # model FLOPs: LoRA base weights frozen (forward + input gradient), attention over the one sample of S tokens
+    model = FlopModel(**timed["metrics"]["flop_model"])
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 224 + 2 * 64  # q, k, v, o, MLP, norms (tiny shape)
+    adapters = 16 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 224))  # rank 16: A (r, in) + B (out, r)
+    assert model == FlopModel(trainable=2 * adapters, frozen=2 * layer + 64 + 2048 * 64, layers=2, attention_width=64)
+    assert timed["metrics"]["flops_per_step"] == model.flops(32, 32**2)
+    assert timed["metrics"]["peak_flops"] is None and timed["metrics"]["mfu"] is None  # CPU: no known peak
 
 
 def test_dry_run_reports_skipped_contenders_with_their_reason(dry_run):
@@ -250,6 +337,7 @@ def test_dry_run_writes_the_table_with_commands_and_the_plots(dry_run):
             assert f"`{row['command']}`" in table
     assert "- hf+liger-flce: " in table
     assert "| hf_memo contender |" in table  # the acceptance targets, for the LoRA workload
+    assert "| unknown |" in table  # timed runs on a device without a known peak
     for name in ("h200-llama3-8b-lora.png", "h200-llama3.2-1b-full.png"):
         assert (dry_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     before = table
@@ -286,6 +374,22 @@ def test_an_error_and_a_crash_of_the_worker_are_recorded(tmp_path, monkeypatch):
     crashed = _rows(tmp_path)[f"h200/{WORKLOAD}/hf/64"]
     assert crashed["status"] == "error" and "exited with code 3" in crashed["reason"]
     assert crashed["finished_at"] >= row["finished_at"]
+
+
+def test_pinning_failures_and_killed_workers_are_not_device_oom_and_the_alloc_conf_is_the_contenders(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(ALLOC_CONF, "backend:cudaMallocAsync")  # the shell's, never inherited
+    monkeypatch.setenv(worker.FAULT_VARIABLE, "pinned_oom")
+    _run(tmp_path, "--contender", "hf", "--seq-len", "64")
+    row = _rows(tmp_path)[f"h200/{WORKLOAD}/hf/64"]
+    assert row["status"] == "pinned_oom" and "CUDA error: out of memory" in row["reason"]
+    assert row["env"][ALLOC_CONF] == CONTENDERS["hf"].cuda_alloc_conf == "expandable_segments:True"
+    monkeypatch.setenv(worker.FAULT_VARIABLE, "killed")
+    _run(tmp_path, "--contender", "hf", "--seq-len", "64", "--force")
+    row = _rows(tmp_path)[f"h200/{WORKLOAD}/hf/64"]
+    assert row["status"] == "host_oom" and "SIGKILL" in row["reason"]
+    assert fits_of([row]) == {64: None}  # says nothing about device memory
 
 
 def test_timeouts_are_recorded_and_a_spent_budget_records_nothing(tmp_path):

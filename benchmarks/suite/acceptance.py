@@ -57,9 +57,13 @@ def verdict(store: ResultStore, plan: Plan, contender: str) -> Verdict:
     longest_ok = None
     if own.complete and base.complete and own.seq_len is not None and base.seq_len is not None:
         ratio = own.seq_len / base.seq_len
-        longest_ok = ratio >= MIN_LONGEST_RATIO and own.seq_len >= MIN_LONGEST // plan.scale
-        if own.at_grid_max and not longest_ok:
-            longest_ok = None  # the true limit lies beyond the grid
+        met = ratio >= MIN_LONGEST_RATIO and own.seq_len >= MIN_LONGEST // plan.scale
+        # A lower bound of ours that meets the target against the baseline's exact limit meets it; our exact
+        # limit that misses it misses it against any baseline at least this long. Otherwise: not judged.
+        if met and base.exact:
+            longest_ok = True
+        elif not met and own.exact:
+            longest_ok = False
     row, offload = _reference_row(store, contender, plan), _reference_row(store, CHECKPOINTING_OFFLOAD, plan)
     mfu = row["metrics"].get("mfu") if row else None
     speedup = None

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 CHECKPOINTING = (None, "recompute", "offload")
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+# Expandable segments: what long-context recipes (DeepSpeed ALST, torchtitan) train with, and what keeps
+# fragmentation from deciding which length fits. Every contender gets it unless its entry says otherwise.
+DEFAULT_ALLOC_CONF = "expandable_segments:True"
 PATCHES = (None, "liger-flce", "deepspeed-tiled")
 
 
@@ -26,6 +30,8 @@ class Contender:
             A config that ``MemoConfig`` refuses marks the contender as skipped, with its error.
         requires: modules that must be importable.
         needs_cuda: runs only on a CUDA device (Triton kernels).
+        cuda_alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` of its worker processes, set explicitly (the shell's
+            value is never inherited) and recorded with every row; ``""`` is PyTorch's default allocator.
     """
 
     name: str
@@ -35,6 +41,7 @@ class Contender:
     memo: dict[str, Any] | None = None
     requires: tuple[str, ...] = ()
     needs_cuda: bool = False
+    cuda_alloc_conf: str = DEFAULT_ALLOC_CONF
 
     def __post_init__(self) -> None:
         if self.checkpointing not in CHECKPOINTING:

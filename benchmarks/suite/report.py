@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suite import acceptance
-from benchmarks.suite.contenders import contender
+from benchmarks.suite.contenders import ALLOC_CONF, contender
 from benchmarks.suite.search import Longest
 from benchmarks.suite.store import ResultStore
 from benchmarks.suite.suites import Plan, Suite
@@ -27,9 +27,16 @@ def _num(value: float | None, fmt: str) -> str:
 
 def _length(longest_found: Longest) -> str:
     if longest_found.seq_len is None:
-        return "none" if longest_found.complete else "—"
-    prefix = "≥ " if longest_found.at_grid_max or not longest_found.complete else ""
+        return "none" if longest_found.exact else "—"
+    prefix = "" if longest_found.exact else "≥ "
     return f"{prefix}{longest_found.seq_len:,}"
+
+
+def _mfu(metrics: dict[str, Any]) -> str:
+    """The MFU of a timed run; ``unknown`` when its device's peak is not known (no MFU is made up)."""
+    if "step_s" in metrics and metrics.get("mfu") is None:
+        return "unknown"
+    return _num(metrics.get("mfu"), ".1%")
 
 
 def _host(metrics: dict[str, Any], dry_run: bool) -> str:
@@ -76,21 +83,24 @@ def _summary_table(store: ResultStore, suite: Suite, plan: Plan, workload_name: 
     memory = "peak allocated" if plan.dry_run else "peak reserved"
     lines = [
         f"| contender | longest S | × {acceptance.CHECKPOINTING} | S={ref:,}: step (s) | tokens/s | MFU "
-        f"| {memory} | alloc retries | host memory | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {memory} | alloc retries | host memory | loss | {ALLOC_CONF} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         found = store.longest(plan.grid, workload_name, name)
         ratio = "—"
         if found.seq_len and base.seq_len and found.complete and base.complete:
-            ratio = f"{found.seq_len / base.seq_len:.2f}"
+            exact = found.exact and base.exact
+            ratio = f"{'' if exact else '~'}{found.seq_len / base.seq_len:.2f}"
         row = store.get(workload_name, name, ref)
         metrics = row["metrics"] if row and row["status"] == "ok" else {}
+        conf = next((r["env"].get(ALLOC_CONF) for r in store.pair_rows(workload_name, name) if r.get("env")), None)
         lines.append(
             f"| {name} | {_length(found)} | {ratio} | {_num(metrics.get('step_s'), '.3g')} "
-            f"| {_num(metrics.get('tokens_per_s'), ',.0f')} | {_num(metrics.get('mfu'), '.1%')} "
+            f"| {_num(metrics.get('tokens_per_s'), ',.0f')} | {_mfu(metrics)} "
             f"| {_size(metrics.get(_memory_key(plan)), plan.dry_run)} | {metrics.get('num_alloc_retries', '—')} "
-            f"| {_host(metrics, plan.dry_run) if metrics else '—'} | {_num(metrics.get('loss'), '.4f')} |"
+            f"| {_host(metrics, plan.dry_run) if metrics else '—'} | {_num(metrics.get('loss'), '.4f')} "
+            f"| {'—' if conf is None else f'`{conf}`'} |"
         )
     return lines
 
@@ -111,7 +121,7 @@ def _runs_table(store: ResultStore, plan: Plan, workload_name: str, names: list[
                 status = f"{status} [{len(notes)}]"
             lines.append(
                 f"| {name} | {row['seq_len']:,} | {row['kind']} | {status} | {_num(metrics.get('step_s'), '.3g')} "
-                f"| {_num(metrics.get('tokens_per_s'), ',.0f')} | {_num(metrics.get('mfu'), '.1%')} "
+                f"| {_num(metrics.get('tokens_per_s'), ',.0f')} | {_mfu(metrics)} "
                 f"| {_size(metrics.get('peak_allocated_bytes'), plan.dry_run)} "
                 f"| {_size(metrics.get('peak_reserved_bytes'), plan.dry_run)} "
                 f"| {metrics.get('num_alloc_retries', '—')} | {_host(metrics, plan.dry_run)} | `{row['command']}` |"
@@ -152,8 +162,13 @@ def markdown(store: ResultStore, suite: Suite, plan: Plan) -> str:
         f"## Benchmark suite `{suite.name}` ({where})",
         "",
         f"{suite.description}. Longest S: bisection on a {plan.grid[0]:,}-token grid up to {plan.grid[-1]:,}, "
-        f"each length one training step in its own process, {plan.time_limit_s:.0f} s at most; "
-        "MFU counts 6·S·P + 6·n·h·S² model FLOPs per step. "
+        f"each length one training step in its own process, {plan.time_limit_s:.0f} s at most. "
+        'Only running out of device memory bounds the longest S; "≥" marks a lower bound (the next length '
+        "timed out, was predicted too slow, ran out of host or pinned memory or failed otherwise, or the grid "
+        'ended), and "~" a ratio with one. Step time and tokens/s are medians of steady-state steps after a '
+        "warm-up step. MFU counts model FLOPs per step of 6 per trainable and 4 per frozen matrix weight per token "
+        "(embedding lookups none) plus 6·n·a·S² for causal attention (hf_memo.integrations.flops); "
+        '"unknown" where the device\'s peak is not known (give --peak-tflops). '
         f"Run or resume it all: `python -m benchmarks.suite run {suite.name}{' --dry-run' if plan.dry_run else ''}`.",
         "",
         "Measured on: " + ("; ".join(_environments(store)) or "nothing yet"),
@@ -192,7 +207,7 @@ def plot(store: ResultStore, suite: Suite, plan: Plan, workload_name: str, path:
     for name in ran:
         found = store.longest(plan.grid, workload_name, name)
         lengths.append(found.seq_len or 0)
-        lower_bound.append(not found.complete or found.at_grid_max)
+        lower_bound.append(not found.exact)
         rows = [r for r in store.pair_rows(workload_name, name) if r["status"] == "ok"]
         timed = [r for r in rows if "tokens_per_s" in r["metrics"]]
         if timed:

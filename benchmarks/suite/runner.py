@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,13 +15,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from benchmarks.suite.contenders import contender, unavailable_reason
-from benchmarks.suite.metrics import flops_at, peak_flops
+from benchmarks.suite.contenders import ALLOC_CONF, contender, unavailable_reason
 from benchmarks.suite.search import next_length
-from benchmarks.suite.store import FAILED, FINISHED, ResultStore, fits_of
+from benchmarks.suite.store import FAILED, FINISHED, HOST_OOM, ResultStore, fits_of
 from benchmarks.suite.suites import Plan, Suite
 from benchmarks.suite.worker import Job
-from benchmarks.suite.workloads import workload
+from hf_memo.integrations.flops import FlopModel, peak_flops_of
 
 ROOT = Path(__file__).resolve().parents[2]
 _LOG_TAIL_CHARS = 2000
@@ -50,7 +50,7 @@ def detect_device(dry_run: bool, peak_tflops: float | None) -> Device:
     name = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     if not name:
         raise ValueError("no CUDA device is visible; use --dry-run for the CPU dry run")
-    return Device(name, peak_tflops * 1e12 if peak_tflops is not None else peak_flops(name))
+    return Device(name, peak_tflops * 1e12 if peak_tflops is not None else peak_flops_of(name))
 
 
 class Budget:
@@ -80,6 +80,16 @@ def _tail(text: str | bytes | None) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return (text or "")[-_LOG_TAIL_CHARS:]
+
+
+def _no_result(returncode: int) -> dict[str, Any]:
+    """The outcome of a worker that ended without writing its result: killed by SIGKILL, or exited."""
+    if returncode == -signal.SIGKILL:
+        status = HOST_OOM
+        reason = "the worker was killed by SIGKILL without writing a result: most likely the kernel's OOM killer"
+    else:
+        status, reason = "error", f"the worker exited with code {returncode} without writing a result"
+    return {"status": status, "reason": reason, "metrics": {}, "env": {}}
 
 
 class SuiteRunner:
@@ -120,8 +130,8 @@ class SuiteRunner:
             if self._ensure(workload_name, contender_name, seq_len, timed=False) is None:
                 return
 
-    def fits(self, workload_name: str, contender_name: str) -> dict[int, bool]:
-        """Recorded lengths of a pair and whether each trained."""
+    def fits(self, workload_name: str, contender_name: str) -> dict[int, bool | None]:
+        """Recorded lengths of a pair and what each showed (see :func:`~benchmarks.suite.store.fits_of`)."""
         return fits_of(self.store.pair_rows(workload_name, contender_name))
 
     def _skip(self, workload_name: str, contender_name: str, reason: str) -> None:
@@ -172,32 +182,32 @@ class SuiteRunner:
         return row
 
     def _predicted_too_slow(self, workload_name: str, contender_name: str, seq_len: int) -> dict[str, Any] | None:
-        """A ``too_slow`` outcome when the pair's longest shorter run, scaled by model FLOPs, would overrun the limit.
+        """A ``too_slow`` outcome when the pair's longest shorter timed run, scaled by model FLOPs, would overrun
+        the limit.
 
-        Costs no device time: a length that cannot finish inside the limit is not started.
+        Costs no device time: a length that cannot finish inside the limit is not started. Only
+        steady-state step times count (timed runs' median ``step_s``): a probe's single step also pays
+        for calibration, planning, pinning and warm-up, which do not grow like a step.
         """
         shorter = [
             r
             for r in self.store.pair_rows(workload_name, contender_name)
-            if r["status"] == "ok" and r["seq_len"] < seq_len and "flops_per_step" in r["metrics"]
+            if r["status"] == "ok" and r["seq_len"] < seq_len and {"step_s", "flop_model"} <= r["metrics"].keys()
         ]
         if not shorter:
             return None
         ref = shorter[-1]
         metrics = ref["metrics"]
-        seconds = metrics.get("step_s") or metrics["first_step_s"]
-        config = workload(workload_name).config_kwargs(self.plan.dry_run)
-        scaled = flops_at(
-            seq_len, metrics["flops_per_step"], ref["seq_len"], config["num_hidden_layers"], config["hidden_size"]
-        )
-        predicted = seconds * scaled / metrics["flops_per_step"]
+        flop_model = FlopModel(**metrics["flop_model"])
+        scale = flop_model.flops(seq_len, seq_len**2) / flop_model.flops(ref["seq_len"], ref["seq_len"] ** 2)
+        predicted = metrics["step_s"] * scale
         if predicted <= _PREDICTION_MARGIN * self.plan.time_limit_s:
             return None
         return {
             "status": "too_slow",
             "reason": (
-                f"not run: a step is predicted to take {predicted:.0f} s (the {seconds:.1f} s step at "
-                f"S={ref['seq_len']} scaled by model FLOPs), over {_PREDICTION_MARGIN:.0%} of the "
+                f"not run: a step is predicted to take {predicted:.0f} s (the {metrics['step_s']:.1f} s median step "
+                f"at S={ref['seq_len']} scaled by model FLOPs), over {_PREDICTION_MARGIN:.0%} of the "
                 f"{self.plan.time_limit_s:.0f} s limit"
             ),
             "metrics": {},
@@ -223,7 +233,11 @@ class SuiteRunner:
             time_limit_s=timeout,
             peak_flops=self.device.peak_flops,
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            ALLOC_CONF: contender(contender_name).cuda_alloc_conf,  # never the shell's
+        }
         with tempfile.TemporaryDirectory() as tmp:
             job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
             job_path.write_text(json.dumps(asdict(job)))
@@ -247,12 +261,7 @@ class SuiteRunner:
                 outcome = json.loads(result_path.read_text())
                 outcome.pop("job", None)
             else:
-                outcome = {
-                    "status": "error",
-                    "reason": f"the worker exited with code {done.returncode} without writing a result",
-                    "metrics": {},
-                    "env": {},
-                }
+                outcome = _no_result(done.returncode)
         outcome["wall_s"] = wall
         if outcome["status"] in FAILED:
             outcome["log_tail"] = _tail(done.stderr)

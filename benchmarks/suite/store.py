@@ -9,14 +9,22 @@ from typing import Any
 
 from benchmarks.suite.search import Longest, longest
 
-FINISHED = ("ok", "oom", "error", "timeout", "too_slow")  # a row with one of these is not run again
-FAILED = ("oom", "error", "timeout", "too_slow")  # does not train at that length
+DEVICE_OOM = "device_oom"  # out of device memory: the one failure that says a length does not fit
+HOST_OOM = "host_oom"  # out of host memory, or the worker killed by the kernel (its OOM killer)
+PINNED_OOM = "pinned_oom"  # pinning host memory failed (cudaHostAlloc / cudaHostRegister)
+FAILED = (DEVICE_OOM, HOST_OOM, PINNED_OOM, "timeout", "too_slow", "error")  # did not train at that length
+FINISHED = ("ok", *FAILED)  # a row with one of these is not run again
 PAIR = "-"  # the seq_len part of a row about a whole workload/contender pair (a skipped contender)
 
 
-def fits_of(rows: list[dict[str, Any]]) -> dict[int, bool]:
-    """Lengths of finished rows and whether each trained (the input of the longest-sequence search)."""
-    return {r["seq_len"]: r["status"] == "ok" for r in rows if r["status"] in FINISHED and r["seq_len"] is not None}
+def _fit(status: str) -> bool | None:
+    return True if status == "ok" else False if status == DEVICE_OOM else None
+
+
+def fits_of(rows: list[dict[str, Any]]) -> dict[int, bool | None]:
+    """Lengths of finished rows and what each showed: trained, out of device memory (``False``) or undecided
+    (``None``: a timeout, a too-slow prediction, host or pinned memory, an error) — the search's input."""
+    return {r["seq_len"]: _fit(r["status"]) for r in rows if r["status"] in FINISHED and r["seq_len"] is not None}
 
 
 def row_key(suite: str, workload: str, contender: str, seq_len: int | None) -> str:

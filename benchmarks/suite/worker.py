@@ -3,13 +3,16 @@
     python -m benchmarks.suite.worker JOB.json RESULT.json
 
 ``JOB.json`` holds a :class:`Job`; ``RESULT.json`` receives ``{"status", "reason", "metrics", "env"}``
-with status ``"ok"``, ``"oom"`` (out of device memory; in a dry run, over the emulated capacity),
+with status ``"ok"``, ``"device_oom"`` (out of device memory; in a dry run, over the emulated
+capacity), ``"pinned_oom"`` (pinning host memory failed), ``"host_oom"`` (out of host memory),
 ``"error"`` (any other exception, with the end of its traceback) or ``"unavailable"`` (an optional
-package or feature is missing here). A process that dies without writing the result is recorded
-as an error by the runner.
+package or feature is missing here); see :func:`classify`. A process that dies without writing the
+result is recorded by the runner: as ``"host_oom"`` when it was killed by SIGKILL (the kernel's
+OOM killer), else as an error.
 
-The environment variable ``BENCH_SUITE_FAULT`` (``oom``, ``error`` or ``exit``) injects that fault
-right before the first training step, to check how the suite records it.
+The environment variable ``BENCH_SUITE_FAULT`` (``device_oom``, ``pinned_oom``, ``host_oom``,
+``killed``, ``error`` or ``exit``) injects that fault right before the first training step, to check
+how the suite records it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -34,9 +38,11 @@ import torch
 from torch import nn
 
 from benchmarks.suite import baselines
-from benchmarks.suite.contenders import Contender, contender, memo_config_kwargs
-from benchmarks.suite.metrics import matmul_parameters, mfu, model_flops
+from benchmarks.suite.contenders import ALLOC_CONF, Contender, contender, memo_config_kwargs
+from benchmarks.suite.metrics import mfu
+from benchmarks.suite.store import DEVICE_OOM, HOST_OOM, PINNED_OOM
 from benchmarks.suite.workloads import LORA_TARGETS, Workload, workload
+from hf_memo.integrations.flops import FlopModel
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import peak
 
@@ -90,11 +96,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "python": platform.python_version(),
         "packages": _versions(("torch", "transformers", "peft", "hf-memo", "liger-kernel", "deepspeed", "triton")),
+        ALLOC_CONF: os.environ.get(ALLOC_CONF),  # set per contender by the runner; shapes fragmentation
     }
     if device.type == "cuda":
         env["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
         env["cuda"] = torch.version.cuda
-        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # shapes fragmentation
     return env
 
 
@@ -183,10 +189,21 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _pin_host_memory() -> None:
+    """Stands for ``torch.empty(n, pin_memory=True)`` when ``cudaHostAlloc`` fails: it raises this very error."""
+    raise RuntimeError(f"CUDA error: out of memory (injected by {FAULT_VARIABLE}=pinned_oom)")
+
+
 def _inject_fault() -> None:
     fault = os.environ.get(FAULT_VARIABLE)
-    if fault == "oom":
-        raise torch.OutOfMemoryError(f"injected by {FAULT_VARIABLE}=oom")
+    if fault == "device_oom":
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {FAULT_VARIABLE}=device_oom)")
+    if fault == "pinned_oom":
+        _pin_host_memory()
+    if fault == "host_oom":
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory (injected by {FAULT_VARIABLE}=host_oom)")
+    if fault == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer ends a process
     if fault == "error":
         raise RuntimeError(f"injected by {FAULT_VARIABLE}=error")
     if fault == "exit":
@@ -266,8 +283,14 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, config["vocab_size"], (1, job.seq_len), generator=generator).to(device)
     steps = TrainingSteps(model, loss_fn, input_ids, device)
-    flops = model_flops(job.seq_len, matmul_parameters(model), config["num_hidden_layers"], config["hidden_size"])
-    metrics.update(flops_per_step=flops, memory_source="storage count (CPU)" if job.dry_run else "cuda allocator")
+    flop_model = FlopModel.of(model)
+    flops = flop_model.flops(job.seq_len, job.seq_len**2)  # one sample per row, no padding
+    metrics.update(
+        flops_per_step=flops,
+        flop_model=asdict(flop_model),
+        peak_flops=job.peak_flops,
+        memory_source="storage count (CPU)" if job.dry_run else "cuda allocator",
+    )
     process = psutil.Process()
     metrics["host_rss_before_bytes"] = process.memory_info().rss
     if device.type == "cuda":  # peaks and counters cover the training steps, not the model's construction
@@ -286,7 +309,7 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
             )
     else:
         first_s, loss = steps.step()
-    metrics.update(first_step_s=first_s, loss=loss)
+    metrics.update(first_step_s=first_s, loss=loss)  # warm-up: calibration, planning, pinning; never a step time
     stop_at = started + 0.9 * job.time_limit_s
     times: list[float] = []
     while job.timed and len(times) < job.max_timed_steps:
@@ -307,9 +330,27 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
         )
 
 
-def _is_oom(error: BaseException) -> bool:
+def classify(error: BaseException) -> str:
+    """The status of a failed run: ``"pinned_oom"``, ``"host_oom"``, ``"device_oom"`` or ``"error"``.
+
+    PyTorch reports a failed ``cudaHostAlloc`` (pinned memory) as ``RuntimeError("CUDA error: out of
+    memory")``, like some device allocations, so a failure is a pinning one when its message or the
+    innermost frame of its traceback names pinning (``torch.empty(..., pin_memory=True)``,
+    ``tensor.pin_memory()``, hf_memo's ``cudaHostRegister``). Host memory: ``MemoryError`` or the CPU
+    allocator's message. Device memory: ``torch.OutOfMemoryError`` (the caching allocator, and the dry
+    run's emulated capacity), any other CUDA out-of-memory message, or cuBLAS failing to allocate.
+    """
     text = str(error)
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
+    frames = traceback.extract_tb(error.__traceback__)
+    innermost = f"{frames[-1].name} {frames[-1].line}" if frames else ""
+    pinning = "pin_memory" in innermost or "_pin_" in innermost
+    if "cudaHostAlloc" in text or "cudaHostRegister" in text or (pinning and "out of memory" in text):
+        return PINNED_OOM
+    if isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in text:
+        return HOST_OOM
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text:
+        return DEVICE_OOM
+    return "error"
 
 
 def execute(job: Job) -> dict[str, Any]:
@@ -322,8 +363,10 @@ def execute(job: Job) -> dict[str, Any]:
     except Unavailable as error:
         status, reason = "unavailable", str(error)
     except Exception as error:
-        status = "oom" if _is_oom(error) else "error"
-        reason = "".join(traceback.format_exception_only(error)).strip() if status == "oom" else traceback.format_exc()
+        status = classify(error)
+        reason = (
+            traceback.format_exc() if status == "error" else "".join(traceback.format_exception_only(error)).strip()
+        )
         reason = reason[-_REASON_CHARS:]
         metrics.update(_memory_metrics(device))
     return {"status": status, "reason": reason, "metrics": metrics, "env": environment(device)}
