@@ -4,7 +4,7 @@ LongLoRA-style: RoPE scaled to the target context, LoRA on the attention project
 embeddings and norms trainable (or full fine-tuning), the loss on the answers only. hf_memo runs
 the MLP and LM head in mini-sequences and (``--recompute memo``) the MEMO executor; ``MemoCallback``
 plans memory before the first step and logs memory, tokens/s, MFU and alpha. Command lines for one
-GPU, eight GPUs with sequence parallelism and DeepSpeed ZeRO-3 are in README.md next to this file.
+GPU, eight GPUs with sequence parallelism and DeepSpeed ZeRO-2 are in README.md next to this file.
 
 Data: records with ``instruction``, ``output`` and optionally ``file`` (the source document's name,
 kept as metadata only), from a local JSON/JSON-lines file or directory, or a dataset on the Hub.

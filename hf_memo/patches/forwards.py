@@ -30,6 +30,7 @@ from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.zero3 import check_not_zero3
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -96,6 +97,7 @@ def causal_lm_forward(
         if sequence_parallel is not None:
             return sequence_parallel.unsplit_forward(model, inner, *args, **kwargs)
         return inner(*args, **kwargs)
+    check_not_zero3(model)  # DeepSpeed may have partitioned the parameters after apply()
     if sequence_parallel is not None:
         arguments, extra = sequence_parallel.shard(arguments, extra, labels)
 
