@@ -98,8 +98,17 @@ def _failure(raiser) -> str:
     raise AssertionError("nothing raised")
 
 
-def _pin_buffer():
-    raise RuntimeError("CUDA error: out of memory")  # PyTorch's message when cudaHostAlloc fails
+class _CudaError(RuntimeError):
+    def __init__(self, size: int, pin_memory: bool) -> None:
+        super().__init__("CUDA error: out of memory")  # PyTorch's message when cudaHostAlloc fails
+
+
+def _pack_to_cpu(size: int) -> None:
+    """Fails where torch.autograd.graph.save_on_cpu's pack hook calls torch.empty(..., pin_memory=...)."""
+    raise _CudaError(
+        size,
+        pin_memory=True,
+    )
 
 
 def _device_kernel():
@@ -113,7 +122,7 @@ def test_failures_are_classified_as_pinned_host_or_device_memory_or_an_error():
 
         return raiser
 
-    assert _failure(_pin_buffer) == "pinned_oom"
+    assert _failure(lambda: _pack_to_cpu(4)) == "pinned_oom"  # named on the statement's second line
     assert _failure(lambda: torch.empty(2**62, dtype=torch.uint8)) == "host_oom"  # the CPU allocator's own error
     assert _failure(raises(MemoryError())) == "host_oom"
     assert _failure(raises(RuntimeError("cudaHostRegister could not pin 4096 bytes of host memory"))) == "pinned_oom"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import linecache
 import os
 import platform
 import resource
@@ -330,19 +331,26 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
         )
 
 
+def _statement(frame: traceback.FrameSummary) -> str:
+    """The source of the statement a frame was running, all its lines (``torch.empty(...,\n pin_memory=...)``)."""
+    last = getattr(frame, "end_lineno", None) or frame.lineno  # Python >= 3.11 knows where the statement ends
+    return "".join(linecache.getline(frame.filename, line) for line in range(frame.lineno, last + 1))
+
+
 def classify(error: BaseException) -> str:
     """The status of a failed run: ``"pinned_oom"``, ``"host_oom"``, ``"device_oom"`` or ``"error"``.
 
     PyTorch reports a failed ``cudaHostAlloc`` (pinned memory) as ``RuntimeError("CUDA error: out of
     memory")``, like some device allocations, so a failure is a pinning one when its message or the
-    innermost frame of its traceback names pinning (``torch.empty(..., pin_memory=True)``,
-    ``tensor.pin_memory()``, hf_memo's ``cudaHostRegister``). Host memory: ``MemoryError`` or the CPU
-    allocator's message. Device memory: ``torch.OutOfMemoryError`` (the caching allocator, and the dry
+    statement of the innermost frame of its traceback names pinning (``torch.empty(...,
+    pin_memory=True)`` as in ``torch.autograd.graph.save_on_cpu``, ``tensor.pin_memory()``, hf_memo's
+    ``cudaHostRegister``). Host memory: ``MemoryError`` or the CPU allocator's message. Device
+    memory: ``torch.OutOfMemoryError`` (the caching allocator, and the dry
     run's emulated capacity), any other CUDA out-of-memory message, or cuBLAS failing to allocate.
     """
     text = str(error)
     frames = traceback.extract_tb(error.__traceback__)
-    innermost = f"{frames[-1].name} {frames[-1].line}" if frames else ""
+    innermost = f"{frames[-1].name} {_statement(frames[-1])}" if frames else ""
     pinning = "pin_memory" in innermost or "_pin_" in innermost
     if "cudaHostAlloc" in text or "cudaHostRegister" in text or (pinning and "out of memory" in text):
         return PINNED_OOM
