@@ -332,7 +332,7 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
 
 
 def _statement(frame: traceback.FrameSummary) -> str:
-    """The source of the statement a frame was running, all its lines (``torch.empty(...,\n pin_memory=...)``)."""
+    """The source of the statement a frame was running, every line of it (a call spread over several lines)."""
     last = getattr(frame, "end_lineno", None) or frame.lineno  # Python >= 3.11 knows where the statement ends
     return "".join(linecache.getline(frame.filename, line) for line in range(frame.lineno, last + 1))
 
@@ -344,9 +344,9 @@ def classify(error: BaseException) -> str:
     memory")``, like some device allocations, so a failure is a pinning one when its message or the
     statement of the innermost frame of its traceback names pinning (``torch.empty(...,
     pin_memory=True)`` as in ``torch.autograd.graph.save_on_cpu``, ``tensor.pin_memory()``, hf_memo's
-    ``cudaHostRegister``). Host memory: ``MemoryError`` or the CPU allocator's message. Device
-    memory: ``torch.OutOfMemoryError`` (the caching allocator, and the dry
-    run's emulated capacity), any other CUDA out-of-memory message, or cuBLAS failing to allocate.
+    ``cudaHostRegister``). Host memory: ``MemoryError`` or the CPU allocator's message. Device memory:
+    ``torch.OutOfMemoryError`` (the caching allocator, and the dry run's emulated capacity), any other
+    CUDA out-of-memory message, or cuBLAS failing to allocate.
     """
     text = str(error)
     frames = traceback.extract_tb(error.__traceback__)
