@@ -64,8 +64,14 @@ def lm_head_peak(config: LlamaConfig, chunked: bool, seq_len: int) -> dict:
     with fake_mode:
         hidden = torch.randn(1, seq_len, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         labels = torch.randint(0, config.vocab_size, (1, seq_len))
+        defaults = hf_memo.MemoConfig()
         chunks = resolve_chunks(
-            "auto", seq_len, config.vocab_size, config.hidden_size, hf_memo.MemoConfig().min_chunk_tokens
+            "auto",
+            seq_len,
+            config.vocab_size,
+            config.hidden_size,
+            defaults.min_chunk_tokens,
+            defaults.max_chunk_elements,
         )
         head_and_loss = HeadAndLoss(model.lm_head, chunks if chunked else None)
         peak = peak_of(lambda: head_and_loss(hidden, labels).backward(), head_and_loss, hidden).to_dict()

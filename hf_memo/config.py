@@ -35,6 +35,9 @@ class MemoConfig:
             ``"auto"`` (about ``vocab_size / hidden_size`` chunks, one for short sequences).
         min_chunk_tokens: ``"auto"`` never makes a chunk shorter than this many tokens, so short
             sequences keep one chunk and full-speed matmuls.
+        max_chunk_elements: ``"auto"`` cuts long sequences into enough chunks that one chunk's
+            intermediate (``(tokens, I)`` of the MLP, ``(tokens, V)`` logits of the LM head) has at most this
+            many elements, however long the sequence (``min_chunk_tokens`` wins if both cannot hold).
         recompute: activation policy of the decoder layers: ``"none"`` (keep everything),
             ``"full"`` (keep each layer's input, recompute the layer), ``"selective"`` (keep matmul
             and attention outputs, recompute the cheap large parts) or ``"memo"`` (token-wise
@@ -44,6 +47,9 @@ class MemoConfig:
             host bandwidth and host memory).
         host_memory_limit: host bytes offloading may use: an int, a size string such as
             ``"64GiB"``, or ``"auto"`` (a safe fraction of the available RAM).
+        device_memory_limit: device bytes a training step may use, for ``"memo"``'s offload fraction: an
+            int, a size string such as ``"70GiB"``, or ``"auto"`` (on CUDA, what ``torch.cuda.mem_get_info``
+            reports free plus what PyTorch's allocator holds, at the first step of a shape; no limit on CPU).
         layer_time: seconds one decoder layer's forward takes; ``None`` measures it.
         host_bandwidth: device<->host copy bandwidth in bytes/s; ``None`` measures it.
         planner: offline memory planner for buffers hf_memo owns: ``"off"``, ``"greedy"``,
@@ -57,9 +63,11 @@ class MemoConfig:
     mlp_chunks: int | str = "auto"
     lm_head_chunks: int | str = "auto"
     min_chunk_tokens: int = 1024
+    max_chunk_elements: int = 2**28
     recompute: str = "none"
     offload_fraction: float | str = "auto"
     host_memory_limit: int | str = "auto"
+    device_memory_limit: int | str = "auto"
     layer_time: float | None = None
     host_bandwidth: float | None = None
     planner: str = "off"
@@ -71,22 +79,21 @@ class MemoConfig:
             value = getattr(self, name)
             if value != "auto" and not (_is_int(value) and value >= 1):
                 raise _bad(name, '"auto" or an int >= 1', value)
-        if not (_is_int(self.min_chunk_tokens) and self.min_chunk_tokens >= 1):
-            raise _bad("min_chunk_tokens", "an int >= 1", self.min_chunk_tokens)
+        for name in ("min_chunk_tokens", "max_chunk_elements"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                raise _bad(name, "an int >= 1", getattr(self, name))
         if self.recompute not in RECOMPUTE_MODES:
             raise _bad("recompute", "one of " + ", ".join(f'"{m}"' for m in RECOMPUTE_MODES), self.recompute)
         fraction = self.offload_fraction
         if fraction != "auto" and not (_is_number(fraction) and 0.0 <= fraction <= 1.0):
             raise _bad("offload_fraction", '"auto" or a float in [0, 1]', fraction)
-        if self.host_memory_limit != "auto":
-            try:
-                parse_bytes(self.host_memory_limit)
-            except ValueError:
-                raise _bad(
-                    "host_memory_limit",
-                    '"auto", a byte count >= 0 or a size such as "64GiB"',
-                    self.host_memory_limit,
-                ) from None
+        for name, example in (("host_memory_limit", "64GiB"), ("device_memory_limit", "70GiB")):
+            value = getattr(self, name)
+            if value != "auto":
+                try:
+                    parse_bytes(value)
+                except ValueError:
+                    raise _bad(name, f'"auto", a byte count >= 0 or a size such as "{example}"', value) from None
         for name in ("layer_time", "host_bandwidth"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0):
@@ -102,6 +109,11 @@ class MemoConfig:
     def host_memory_limit_bytes(self) -> int | None:
         """The host limit in bytes, or ``None`` for ``"auto"``."""
         return None if self.host_memory_limit == "auto" else parse_bytes(self.host_memory_limit)
+
+    @property
+    def device_memory_limit_bytes(self) -> int | None:
+        """The device limit in bytes, or ``None`` for ``"auto"``."""
+        return None if self.device_memory_limit == "auto" else parse_bytes(self.device_memory_limit)
 
     def replace(self, **overrides: Any) -> MemoConfig:
         """A copy with some fields changed (validated). Unknown names raise ``ValueError``."""

@@ -18,11 +18,15 @@ def test_defaults_are_valid_and_serialisable():
         ("lm_head_chunks", 2.5, '"auto" or an int >= 1'),
         ("lm_head_chunks", True, '"auto" or an int >= 1'),
         ("min_chunk_tokens", 0, "an int >= 1"),
+        ("max_chunk_elements", 0, "an int >= 1"),
+        ("max_chunk_elements", 2.0**28, "an int >= 1"),
         ("recompute", "everything", 'one of "none", "full", "selective", "memo"'),
         ("offload_fraction", 1.5, '"auto" or a float in [0, 1]'),
         ("offload_fraction", -0.1, '"auto" or a float in [0, 1]'),
         ("host_memory_limit", "lots", '"auto", a byte count >= 0 or a size such as "64GiB"'),
         ("host_memory_limit", -1, '"auto", a byte count >= 0 or a size such as "64GiB"'),
+        ("device_memory_limit", "most", '"auto", a byte count >= 0 or a size such as "70GiB"'),
+        ("device_memory_limit", -1, '"auto", a byte count >= 0 or a size such as "70GiB"'),
         ("layer_time", 0, "None or a number > 0"),
         ("host_bandwidth", -2.0, "None or a number > 0"),
         ("planner", "ilp", 'one of "off", "greedy", "cpsat", "mip", "gurobi"'),
@@ -40,6 +44,12 @@ def test_bad_values_name_field_value_and_accepted(field, value, accepted):
 def test_host_memory_limit_accepts_sizes():
     assert MemoConfig(host_memory_limit="64GiB").host_memory_limit_bytes == 64 * 2**30
     assert MemoConfig(host_memory_limit=10**9).host_memory_limit_bytes == 10**9
+
+
+def test_device_memory_limit_accepts_sizes_and_defaults_to_auto():
+    assert MemoConfig().device_memory_limit == "auto" and MemoConfig().device_memory_limit_bytes is None
+    assert MemoConfig(device_memory_limit="70GiB").device_memory_limit_bytes == 70 * 2**30
+    assert MemoConfig(device_memory_limit=10**9).device_memory_limit_bytes == 10**9
 
 
 def test_replace_validates_and_rejects_unknown_fields():

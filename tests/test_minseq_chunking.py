@@ -2,7 +2,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import auto_chunks, chunk_bounds, resolve_chunks
+
+CAP = MemoConfig().max_chunk_elements
 
 
 @given(rows=st.integers(0, 5000), chunks=st.integers(1, 300))
@@ -29,24 +32,43 @@ def test_bad_chunk_count_is_rejected():
 
 def test_auto_follows_width_over_hidden_for_long_sequences():
     # Llama-3-8B: I / H = 3.5 -> 4 MLP chunks; V / H = 31.3 -> 32 LM-head chunks.
-    assert auto_chunks(65536, 14336, 4096, 1024) == 4
-    assert auto_chunks(65536, 128256, 4096, 1024) == 32
+    assert auto_chunks(65536, 14336, 4096, 1024, CAP) == 4
+    assert auto_chunks(65536, 128256, 4096, 1024, CAP) == 32
 
 
 def test_auto_keeps_short_sequences_whole():
-    assert auto_chunks(512, 14336, 4096, 1024) == 1
-    assert auto_chunks(1023, 128256, 4096, 1024) == 1
+    assert auto_chunks(512, 14336, 4096, 1024, CAP) == 1
+    assert auto_chunks(1023, 128256, 4096, 1024, CAP) == 1
     # Never shorter than min_chunk_tokens: 8192 tokens allow at most 8 chunks.
-    assert auto_chunks(8192, 128256, 4096, 1024) == 8
+    assert auto_chunks(8192, 128256, 4096, 1024, CAP) == 8
 
 
 def test_auto_prefers_a_count_that_divides_the_tokens():
     # GPT-7B: I / H = 2.7 -> 3 chunks would be uneven on 32768 tokens; 4 divides them.
-    assert auto_chunks(32768, 11008, 4096, 1024) == 4
-    assert auto_chunks(30000, 11008, 4096, 1024) == 3  # 3 divides 30000
-    assert auto_chunks(32771, 11008, 4096, 1024) == 3  # a prime: no even split within 2x, keep the target
+    assert auto_chunks(32768, 11008, 4096, 1024, CAP) == 4
+    assert auto_chunks(30000, 11008, 4096, 1024, CAP) == 3  # 3 divides 30000
+    assert auto_chunks(32771, 11008, 4096, 1024, CAP) == 3  # a prime: no even split within 2x, keep the target
+
+
+@pytest.mark.parametrize("tokens", [2**17, 2**19, 2**20, 1_000_003])
+@pytest.mark.parametrize("width", [14336, 128256])
+def test_auto_grows_the_chunk_count_with_the_sequence_so_a_chunk_stays_bounded(tokens, width):
+    chunks = auto_chunks(tokens, width, 4096, 1024, CAP)
+    largest = max(stop - start for start, stop in chunk_bounds(tokens, chunks))
+    assert largest * width <= CAP  # 2**28 elements: 1 GiB of float32 logits, at any length
+    assert largest >= 1024
+
+
+def test_auto_chunk_counts_for_llama_3_at_one_million_tokens():
+    # The MsT rule alone gives 4 and 32 chunks: 32768 tokens x 128256 logits (16 GiB in float32) per chunk.
+    assert auto_chunks(2**20, 14336, 4096, 1024, CAP) == 64
+    assert auto_chunks(2**20, 128256, 4096, 1024, CAP) == 512
+
+
+def test_min_chunk_tokens_wins_over_the_element_cap():
+    assert auto_chunks(8192, 128256, 4096, 1024, 2**20) == 8  # the cap alone would want 8192 / 8 = 1024 chunks
 
 
 def test_resolve_passes_explicit_counts_through():
-    assert resolve_chunks(5, 10, 100, 10, 1024) == 5
-    assert resolve_chunks("auto", 65536, 14336, 4096, 1024) == 4
+    assert resolve_chunks(5, 10, 100, 10, 1024, CAP) == 5
+    assert resolve_chunks("auto", 65536, 14336, 4096, 1024, CAP) == 4

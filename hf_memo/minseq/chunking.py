@@ -17,16 +17,19 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return [(i * rows // chunks, (i + 1) * rows // chunks) for i in range(chunks)]
 
 
-def auto_chunks(tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
+def auto_chunks(tokens: int, width: int, hidden: int, min_chunk_tokens: int, max_chunk_elements: int) -> int:
     """Chunks for an op whose intermediate is ``(tokens, width)`` while its input is ``(tokens, hidden)``.
 
     Aims at ``ceil(width / hidden)`` so each chunk's intermediate is about the size of the hidden
-    state (the Mini-Sequence Transformer rule), preferring the first count up to twice that which
-    divides ``tokens`` (equal chunks give equal tensors, which the memory planner packs tightly), and
-    never cuts chunks shorter than ``min_chunk_tokens``: short sequences get one chunk and run
-    exactly as before.
+    state (the Mini-Sequence Transformer rule), and at more chunks when that would leave a chunk's
+    intermediate above ``max_chunk_elements`` (long sequences: the transient of one chunk stays
+    bounded however long the sequence is). It prefers the first count up to twice that which divides
+    ``tokens`` (equal chunks give equal tensors, which the memory planner packs tightly), and never
+    cuts chunks shorter than ``min_chunk_tokens``: short sequences get one chunk and run exactly as
+    before (that rule wins over ``max_chunk_elements``).
     """
-    target = math.ceil(width / hidden)
+    largest_chunk = max(1, max_chunk_elements // width)
+    target = max(math.ceil(width / hidden), math.ceil(tokens / largest_chunk))
     limit = tokens // min_chunk_tokens
     if limit <= 1:
         return 1
@@ -36,8 +39,10 @@ def auto_chunks(tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> 
     return min(target, limit)
 
 
-def resolve_chunks(setting: int | str, tokens: int, width: int, hidden: int, min_chunk_tokens: int) -> int:
+def resolve_chunks(
+    setting: int | str, tokens: int, width: int, hidden: int, min_chunk_tokens: int, max_chunk_elements: int
+) -> int:
     """The chunk count for a ``MemoConfig`` setting (an int, or ``"auto"``)."""
     if setting == "auto":
-        return auto_chunks(tokens, width, hidden, min_chunk_tokens)
+        return auto_chunks(tokens, width, hidden, min_chunk_tokens, max_chunk_elements)
     return int(setting)

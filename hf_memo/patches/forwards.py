@@ -41,7 +41,9 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
 def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
     """MLP over ``x`` ``(B, S, H)`` in mini-sequences; ``width`` is the MLP's intermediate size ``I``."""
     tokens = x.numel() // x.shape[-1]
-    chunks = resolve_chunks(config.mlp_chunks, tokens, width, x.shape[-1], config.min_chunk_tokens)
+    chunks = resolve_chunks(
+        config.mlp_chunks, tokens, width, x.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
+    )
     return minseq_mlp(inner, x, trainable_params(module), chunks)
 
 
@@ -111,7 +113,9 @@ def causal_lm_forward(
     head, norm = model.get_output_embeddings(), getattr(backbone, family.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
     tokens = hidden.numel() // hidden.shape[-1]
-    chunks = resolve_chunks(config.lm_head_chunks, tokens, vocab_size, hidden.shape[-1], config.min_chunk_tokens)
+    chunks = resolve_chunks(
+        config.lm_head_chunks, tokens, vocab_size, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
+    )
     with head_input_offloaded(runtime, hidden) as head_input:
         loss = causal_lm_loss(
             head_input,
@@ -189,7 +193,9 @@ def memo_layer_forward(
         )
     split = family.split(layer, arguments.get("position_embeddings"))
     width = family.intermediate_size(layer_config(layer))
-    chunks = resolve_chunks(config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens)
+    chunks = resolve_chunks(
+        config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
+    )
     bounds = chunk_bounds(hidden.shape[1], chunks)
     alpha_chunks = runtime.alpha_chunks(split, hidden, len(bounds))
     core = (
