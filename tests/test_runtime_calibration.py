@@ -2,8 +2,9 @@ import weakref
 
 import torch
 
+from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
-from hf_memo.runtime.calibration import host_bandwidth, layer_bytes_per_token, layer_forward_seconds
+from hf_memo.runtime.calibration import host_bandwidth, layer_bytes_per_token, time_layer_forward
 from hf_memo.runtime.offload import HostPool
 from tests.conftest import build_model
 
@@ -29,7 +30,7 @@ def test_probing_leaves_the_rng_and_no_references_behind():
     storage = weakref.ref(x.untyped_storage())
     torch.manual_seed(5)
     layer_bytes_per_token(split, x)
-    layer_forward_seconds(split, x.detach())
+    time_layer_forward(split, x.detach(), chunk_bounds(x.shape[1], 4))
     drawn = torch.rand(3)
     torch.manual_seed(5)
     assert torch.equal(drawn, torch.rand(3))
@@ -39,7 +40,7 @@ def test_probing_leaves_the_rng_and_no_references_behind():
 
 def test_timings_and_bandwidth_are_positive():
     split, x = _layer_input()
-    assert layer_forward_seconds(split, x.detach()) > 0
+    assert time_layer_forward(split, x.detach(), chunk_bounds(x.shape[1], 3)).seconds > 0
     pool = HostPool(torch.device("cpu"))
     assert host_bandwidth(x, pool) > 0
     assert pool.in_use_bytes == 0 and pool.reserved_bytes == x.numel() * x.element_size()  # kept for the stash

@@ -5,7 +5,9 @@ import torch
 
 import hf_memo
 from hf_memo.config import MemoConfig
+from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
+from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
@@ -19,7 +21,7 @@ def _runtime(**config) -> MemoRuntime:
     model = build_model("llama")
     x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64)
     split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(SEQ)[None]))
-    runtime.alpha_chunks(split, x, 4)
+    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention)
     return runtime
 
 

@@ -197,12 +197,12 @@ def memo_layer_forward(
         config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
     )
     bounds = chunk_bounds(hidden.shape[1], chunks)
-    alpha_chunks = runtime.alpha_chunks(split, hidden, len(bounds))
     core = (
         LocalAttention
         if sequence_parallel is None
         else UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size)
     )
+    alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core)
     return MemoLayerFunction.apply(runtime, split, core, index, bounds, alpha_chunks, hidden, *params)
 
 

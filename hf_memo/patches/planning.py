@@ -11,21 +11,33 @@ from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.profiler.fake_model import fake_causal_lm
 from hf_memo.profiler.step import trace_training_step
+from hf_memo.runtime.memo import OffloadDecision
 
 
-def plan_training_step(model: nn.Module, batch_size: int, seq_len: int, progress: bool = True) -> MemoryPlan:
+def plan_training_step(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    progress: bool = True,
+    offload: OffloadDecision | None = None,
+) -> MemoryPlan:
     """Plan the memory of one training step of ``model`` on ``(batch_size, seq_len)`` token batches.
 
     A copy of the model is built on fake tensors (same config, dtype, PEFT adapters and hf_memo
     config, no memory), one step is traced, and the trace is planned with ``MemoConfig.planner``.
-    The plan's ``meta`` records the shape it was made for. Under sequence parallelism, ``seq_len`` is
+    Under ``recompute="memo"`` the copy runs the offload the real model solved for that shape (its
+    ``alpha``, swapped layers and LM-head offload: timings of fake tensors mean nothing); before the
+    real model has run that shape, the copy solves it (``offload_fraction="auto"`` then gives an alpha
+    the real run may not choose, and the runtime plans again on its first step). The plan's ``meta``
+    records the shape and the offload it was made for. Under sequence parallelism, ``seq_len`` is
     one rank's shard, profiled as a single device's step.
 
     Args:
         model: a model patched by :func:`hf_memo.apply` (or a PEFT model wrapping one).
         progress: show the planner's progress bar.
+        offload: the offload to plan for; by default the one ``model``'s runtime solved for the shape.
     """
-    from hf_memo.patches.apply import applied_config, apply, causal_lm_of
+    from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 
     config = applied_config(model)
     if config is None:
@@ -43,6 +55,16 @@ def plan_training_step(model: nn.Module, batch_size: int, seq_len: int, progress
         # (the executor's buffers hold the shard's activations; the attention statistics it keeps in the
         # exchanged layout have the same size as the shard's).
         apply(fake, config.replace(planner="off", sequence_parallel_size=1))
+        runtime = memo_runtime(model)
+        if offload is None and runtime is not None:
+            offload = runtime.offload_for(batch_size, seq_len)
+        if offload is not None:
+            memo_runtime(fake).assume_offload(offload)
         with torch.random.fork_rng(devices=[]):
             trace = trace_training_step(fake, batch_size, seq_len, optimizer="none")
-    return plan_memory(trace, solver=config.planner, time_limit=config.planner_time_limit, progress=progress)
+        fake_runtime = memo_runtime(fake)
+        made_for = None if fake_runtime is None else fake_runtime.offload_for(batch_size, seq_len)
+    plan = plan_memory(trace, solver=config.planner, time_limit=config.planner_time_limit, progress=progress)
+    if made_for is not None:
+        plan.meta["offload"] = made_for.to_dict()
+    return plan

@@ -2,15 +2,19 @@
 
 For ``n`` layers of which ``n - 2`` are swapped, with per-layer bytes ``S_in`` (layer input),
 ``S_attn`` (attention output and statistics) and ``S_other`` (every other saved activation, all
-tokens), host bandwidth ``B``, one layer's forward time ``T`` and host memory ``M``, MEMO solves::
+tokens), host bandwidth ``B``, one layer's forward time ``T``, host memory ``M`` and a device budget
+``D``, MEMO solves::
 
     maximise alpha  s.t.  (S_in + S_attn + alpha * S_other) / B <= T          (copies hide behind compute)
                           (n - 2) * (S_in + S_attn + alpha * S_other) <= M    (the host holds them)
+                          (2 + 2) * (S_in + S_attn + alpha * S_other) <= D    (the device holds its share)
                           0 <= alpha <= 1
 
-A one-variable LP: the answer is the smallest of the two bounds, clipped to [0, 1]. When even
-``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers are swapped as
-fit and the rest keep their activations on the device.
+The device holds, at its fullest, the stashes of the two unswapped top layers and two buffers of a
+swapped layer's stash (the rounding buffers at the end of forward; the prefetch buffers, which take
+their place, in backward). A one-variable LP: the answer is the smallest of the bounds, clipped to
+[0, 1]. When even ``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers
+are swapped as fit and the rest keep their activations on the device (they count for ``D`` too).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class OffloadPlan:
 
     alpha: float
     swapped_layers: int
-    bound: str  # which constraint decided alpha: "bandwidth", "host memory", "requested" or "all"
+    bound: str  # which constraint decided alpha: "bandwidth", "host memory", "device memory", "requested" or "all"
 
 
 def solve_offload_fraction(
@@ -37,6 +41,7 @@ def solve_offload_fraction(
     bandwidth: float | None = None,
     layer_time: float | None = None,
     requested: float | None = None,
+    device_budget: float | None = None,
 ) -> OffloadPlan:
     """Solve MEMO's LP for one layer shape.
 
@@ -48,7 +53,9 @@ def solve_offload_fraction(
         bandwidth: device<->host bytes per second ``B``; with ``layer_time``, the copy constraint.
         layer_time: seconds one layer's forward takes, ``T``.
         requested: a fixed alpha asked for by the user; only lowered (with a warning) if the host
-            cannot hold it.
+            or the device cannot hold it.
+        device_budget: device bytes the layers' stashes and the copy buffers may use, ``D``; ``None``
+            for no limit.
     """
     candidates = max(num_layers - 2, 0)
     swapped = candidates if fixed_bytes <= 0 else min(candidates, int(host_limit // fixed_bytes))
@@ -60,20 +67,29 @@ def solve_offload_fraction(
         )
     if swapped == 0 or other_bytes <= 0:
         return OffloadPlan(0.0 if other_bytes > 0 else 1.0, swapped, "host memory" if swapped == 0 else "all")
-    memory_alpha = (host_limit / swapped - fixed_bytes) / other_bytes
-    if requested is not None:
-        alpha, bound = requested, "requested"
-        if memory_alpha < requested:
-            alpha, bound = max(memory_alpha, 0.0), "host memory"
+    bounds = {"host memory": (host_limit / swapped - fixed_bytes) / other_bytes}
+    if device_budget is not None:
+        on_device = num_layers - swapped + 2  # resident layers' stashes + two rounding (or prefetch) buffers
+        bounds["device memory"] = (device_budget / on_device - fixed_bytes) / other_bytes
+        if bounds["device memory"] < 0:
             warnings.warn(
-                f"offload_fraction={requested} needs more host memory than the limit allows; using {alpha:.3f}",
+                f"the device budget of {device_budget / 2**30:.2f} GiB cannot hold the layer inputs and attention "
+                f"outputs the device keeps ({on_device} x {fixed_bytes / 2**30:.2f} GiB); the step may run out of "
+                "device memory (MemoConfig.device_memory_limit)",
                 stacklevel=2,
             )
-        return OffloadPlan(min(alpha, 1.0), swapped, bound)
-    bandwidth_alpha = math.inf
+    if requested is not None:
+        bound, limit = min(bounds.items(), key=lambda item: item[1])
+        if limit < requested:
+            warnings.warn(
+                f"offload_fraction={requested} needs more {bound} than the limit allows; using {max(limit, 0.0):.3f}",
+                stacklevel=2,
+            )
+            return OffloadPlan(max(limit, 0.0), swapped, bound)
+        return OffloadPlan(min(requested, 1.0), swapped, "requested")
     if bandwidth is not None and layer_time is not None:
-        bandwidth_alpha = (bandwidth * layer_time - fixed_bytes) / other_bytes
-    alpha, bound = (bandwidth_alpha, "bandwidth") if bandwidth_alpha <= memory_alpha else (memory_alpha, "host memory")
+        bounds["bandwidth"] = (bandwidth * layer_time - fixed_bytes) / other_bytes
+    bound, alpha = min(bounds.items(), key=lambda item: item[1])
     if alpha >= 1.0:
         return OffloadPlan(1.0, swapped, "all")
     return OffloadPlan(max(alpha, 0.0), swapped, bound)

@@ -1,13 +1,14 @@
-"""Measurements the offload LP needs: bytes per token of a layer, its forward time, host bandwidth."""
+"""Measurements the offload LP needs: bytes per token of a layer, its forward time and memory, host bandwidth."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from hf_memo.runtime.attention_core import LocalAttention, attention_forward
-from hf_memo.runtime.executor import LayerSplit, MemoLayerFunction
+from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.executor import AttentionCore, LayerSplit, MemoLayerFunction
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
@@ -42,46 +43,103 @@ class _ProbeRuntime:
         pass
 
 
+def _stashed_bytes(split: LayerSplit, x: torch.Tensor, rows: int) -> int:
+    """Distinct bytes the layer stashes running on ``x[:, :rows]`` with every token offloaded."""
+    probe = _ProbeRuntime(x.device)
+    MemoLayerFunction.apply(
+        probe, split, LocalAttention, 0, [(0, rows)], 1, x[:, :rows].detach().clone().requires_grad_(True)
+    )
+    return probe.stash.raw_nbytes
+
+
 def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -> tuple[float, float]:
-    """``(S_in + S_attn, S_other)`` per token of one layer, from running it on the first ``rows`` tokens.
+    """``(S_in + S_attn, S_other)`` per token of one layer, from running it on two prefixes of ``x``.
 
     Args:
-        x: ``(B, S, H)`` the layer's input; the probe runs on ``x[:, :rows]`` with every token
-            offloaded and counts the distinct bytes saved. RNG state is left untouched.
+        x: ``(B, S, H)`` the layer's input; the probe runs on ``x[:, :rows]`` and ``x[:, :rows // 2]``
+            with every token offloaded and counts the distinct bytes saved. Per-token bytes are the
+            difference divided by the difference in tokens, so a tensor whose size does not depend on
+            the tokens (e.g. a weight cast under autocast) never counts as per-token. RNG state is left
+            untouched.
 
     Returns:
         bytes per token (``B * 1`` tokens) of the layer input plus attention output and statistics,
         and of every other saved activation.
     """
-    rows = min(rows, x.shape[1])
-    probe = _ProbeRuntime(x.device)
+    long = min(rows, x.shape[1])
+    short = long // 2
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
         q, _, _ = split.project(x[:, :1].detach(), 0, 1)
-        MemoLayerFunction.apply(
-            probe, split, LocalAttention, 0, [(0, rows)], 1, x[:, :rows].detach().clone().requires_grad_(True)
-        )
+        saved = _stashed_bytes(split, x, long)
+        if short > 0:
+            per_token = (saved - _stashed_bytes(split, x, short)) / (x.shape[0] * (long - short))
+        else:  # a one-token sequence: one prefix is all there is
+            per_token = saved / x.shape[0]
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
     fixed = x.shape[-1] * x.element_size() + heads * head_dim * q.element_size() + heads * stat_size
-    tokens = x.shape[0] * rows
-    return fixed, max(probe.stash.raw_nbytes / tokens - fixed, 0.0)
+    return fixed, max(per_token - fixed, 0.0)
 
 
-def layer_forward_seconds(split: LayerSplit, x: torch.Tensor) -> float:
-    """Wall seconds of one forward of the layer on ``x`` ``(B, S, H)`` without a graph (synchronised on CUDA).
+@dataclass(frozen=True)
+class LayerForward:
+    """One layer forward as the executor runs it: wall ``seconds``, and the device bytes it needed above its
+    input (``workspace_bytes``, peak minus what was allocated before; 0 on CPU, which has no counter)."""
 
-    RNG state is left untouched.
+    seconds: float
+    workspace_bytes: int
+
+
+def _chunked_forward(
+    split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+) -> torch.Tensor:
+    """The executor's forward pattern: project per chunk, attention over the sequence, finish per chunk."""
+    parts = [split.project(x[:, start:stop], start, stop) for start, stop in bounds]
+    q, k, v = (torch.cat([chunk[i] for chunk in parts], dim=2) for i in range(3))
+    del parts
+    out, _ = core.forward(q, k, v, split.scale)
+    del q, k, v
+    o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+    del out
+    y = None
+    for start, stop in bounds:
+        y_rows = split.finish(x[:, start:stop], o_rows[:, start:stop])
+        if y is None:
+            y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
+        y[:, start:stop] = y_rows
+    return y
+
+
+def time_layer_forward(
+    split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore = LocalAttention
+) -> LayerForward:
+    """Time one forward of the layer on ``x`` ``(B, S, H)`` as the executor runs it, without a graph.
+
+    The sequence is cut at ``bounds`` (the executor's chunks: no full-length MLP intermediate ever
+    exists) and attention runs through ``core`` (under sequence parallelism, the core that exchanges
+    heads for the sequence: the all-to-alls are timed too, and every rank of the group must call this
+    together). A first, untimed call warms up kernels, workspaces and caches; the second is timed with
+    CUDA events on CUDA (``perf_counter`` on CPU), and its peak device memory is measured (on CUDA
+    this resets the allocator's peak counter). RNG state is left untouched.
     """
-    devices = [x.device] if x.device.type == "cuda" else []
+    cuda = x.device.type == "cuda"
+    devices = [x.device] if cuda else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.no_grad():
-        _synchronize(x.device)
-        start = time.perf_counter()
-        q, k, v = split.project(x, 0, x.shape[1])
-        out, _ = attention_forward(q, k, v, split.scale)
-        split.finish(x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
-        _synchronize(x.device)
-        return time.perf_counter() - start
+        _chunked_forward(split, x, bounds, core)
+        if not cuda:
+            start = time.perf_counter()
+            _chunked_forward(split, x, bounds, core)
+            return LayerForward(time.perf_counter() - start, 0)
+        torch.cuda.synchronize(x.device)
+        base = torch.cuda.memory_allocated(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        _chunked_forward(split, x, bounds, core)
+        end.record()
+        end.synchronize()
+        return LayerForward(start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(x.device) - base)
 
 
 def host_bandwidth(x: torch.Tensor, pool: HostPool) -> float:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -12,12 +14,33 @@ from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.runtime.alpha import OffloadPlan, quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
-from hf_memo.runtime.calibration import host_bandwidth, layer_bytes_per_token, layer_forward_seconds
-from hf_memo.runtime.executor import LayerSplit
+from hf_memo.runtime.calibration import LayerForward, host_bandwidth, layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.executor import AttentionCore, LayerSplit
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
 AUTO_HOST_FRACTION = 0.5  # of the RAM available when the runtime is created
+# A layer's backward holds a gradient beside each tensor its forward pattern holds (x and grad x, q/k/v and
+# dq/dk/dv, the attention output and its gradient, a chunk's activations and theirs): twice the forward's.
+BACKWARD_WORKSPACE_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class OffloadDecision:
+    """What the executor does for one step shape: the solved offload ``plan``, and whether the LM head's input
+    goes to the host (see :meth:`MemoRuntime.open_head_stash`)."""
+
+    plan: OffloadPlan
+    head_offloaded: bool
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (recorded in the memory plan made for it)."""
+        return {
+            "alpha": self.plan.alpha,
+            "swapped_layers": self.plan.swapped_layers,
+            "bound": self.plan.bound,
+            "head_offloaded": self.head_offloaded,
+        }
 
 
 class _Transport:
@@ -39,13 +62,13 @@ class MemoRuntime:
         memory_plan: the memory plan whose arena serves the rounding and prefetch buffers (``planner`` on).
 
     Args:
-        planner: ``planner(batch_size, seq_len)`` makes a memory plan for a step of that shape; called
-            on the first step of a shape the attached plan was not made for (``config.planner`` on).
+        planner: ``planner(batch_size, seq_len, offload=decision)`` makes a memory plan for a step of that
+            shape run with that :class:`OffloadDecision`; called on the first step of a shape, after the
+            offload is solved, unless the attached plan was made for that shape and offload
+            (``config.planner`` on).
     """
 
-    def __init__(
-        self, config: MemoConfig, num_layers: int, planner: Callable[[int, int], MemoryPlan] | None = None
-    ) -> None:
+    def __init__(self, config: MemoConfig, num_layers: int, planner: Callable[..., MemoryPlan] | None = None) -> None:
         self.config = config
         self.num_layers = num_layers
         self.memory_plan: MemoryPlan | None = None
@@ -54,45 +77,86 @@ class MemoRuntime:
         self.host_limit = limit if limit is not None else int(AUTO_HOST_FRACTION * psutil.virtual_memory().available)
         self.attention_calls = 0
         self.plan: OffloadPlan | None = None
-        self._plans: dict[tuple, OffloadPlan] = {}
-        self._head_offloaded: dict[tuple, bool] = {}
+        self._decisions: dict[tuple, OffloadDecision] = {}
+        self._fixed: OffloadDecision | None = None
+        self._shape: dict[torch.device, tuple] = {}  # the step shape each device ran last
         self._bandwidth: dict[torch.device, float] = {}
         self._transports: dict[torch.device, _Transport] = {}
-        self._latest: dict[int, LayerStash] = {}
+        # Weak: the graph holds a layer's stash until its backward; an aborted step must not outlive its graph.
+        self._latest: dict[int, weakref.ref[LayerStash]] = {}
 
     # -- offload plan ---------------------------------------------------------------------------------
-    def alpha_chunks(self, split: LayerSplit, x: torch.Tensor, chunks: int) -> int:
-        """Chunks (of ``chunks``) whose tokens are offloaded for a layer input ``x`` ``(B, S, H)``."""
-        key = _shape_key(x)
-        if key not in self._plans:
-            if self.config.planner != "off":
-                self._plan_memory(x.shape[0], x.shape[1])
-            fixed, other = layer_bytes_per_token(split, x)
-            tokens = x.shape[0] * x.shape[1]
-            plan = self._plans[key] = self._solve(split, x, fixed, other)
-            host_bytes = plan.swapped_layers * (fixed + plan.alpha * other) * tokens
-            self._head_offloaded[key] = host_bytes + x.numel() * x.element_size() <= self.host_limit
-        self.plan = self._plans[key]
-        return quantise(self.plan.alpha, chunks)
+    def alpha_chunks(
+        self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+    ) -> int:
+        """Chunks (of ``bounds``, the executor's chunks) whose tokens are offloaded for a layer input ``x``
+        ``(B, S, H)`` whose attention runs through ``core``.
 
-    def _solve(self, split: LayerSplit, x: torch.Tensor, fixed: float, other: float) -> OffloadPlan:
+        The first step of a new shape solves the offload (calibrating on ``x``) and then, with a
+        planner, plans memory for that offload. A step of another shape than the device's previous
+        one frees the host buffers the previous shape no longer needs.
+        """
+        key = _shape_key(x)
+        if self._shape.get(x.device) != key:
+            self._shape[x.device] = key
+            self._transport(x.device).pool.trim()
+        if key not in self._decisions:
+            decision = self._decisions[key] = self._fixed or self._decide(split, x, bounds, core)
+            if self.config.planner != "off":
+                self._plan_memory(x.shape[0], x.shape[1], decision)
+        self.plan = self._decisions[key].plan
+        return quantise(self.plan.alpha, len(bounds))
+
+    def offload_for(self, batch_size: int, seq_len: int) -> OffloadDecision | None:
+        """The offload solved for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens, if any yet."""
+        return next((d for key, d in self._decisions.items() if key[0][:2] == (batch_size, seq_len)), None)
+
+    def assume_offload(self, decision: OffloadDecision) -> None:
+        """Use ``decision`` for every shape instead of solving (a profiling copy runs the real model's offload)."""
+        self._fixed = decision
+
+    def _decide(
+        self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+    ) -> OffloadDecision:
+        fixed, other = layer_bytes_per_token(split, x)
         tokens = x.shape[0] * x.shape[1]
         fraction = self.config.offload_fraction
-        if fraction != "auto":
-            return solve_offload_fraction(
-                self.num_layers, fixed * tokens, other * tokens, self.host_limit, requested=float(fraction)
-            )
-        if x.device not in self._bandwidth:
-            self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x, self._transport(x.device).pool)
-        layer_time = self.config.layer_time or layer_forward_seconds(split, x)
-        return solve_offload_fraction(
+        requested = None if fraction == "auto" else float(fraction)
+        device_limit = self._device_limit(x.device)
+        timing: LayerForward | None = None
+        if (requested is None and self.config.layer_time is None) or (device_limit is not None and x.is_cuda):
+            timing = time_layer_forward(split, x, bounds, core)
+        bandwidth = layer_time = None
+        if requested is None:
+            if x.device not in self._bandwidth:
+                pool = self._transport(x.device).pool
+                self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x, pool)
+            bandwidth, layer_time = self._bandwidth[x.device], self.config.layer_time or timing.seconds
+        device_budget = None
+        if device_limit is not None:
+            workspace = 0 if timing is None else timing.workspace_bytes
+            device_budget = device_limit - _device_in_use(x.device) - BACKWARD_WORKSPACE_FACTOR * workspace
+        plan = solve_offload_fraction(
             self.num_layers,
             fixed * tokens,
             other * tokens,
             self.host_limit,
-            bandwidth=self._bandwidth[x.device],
+            bandwidth=bandwidth,
             layer_time=layer_time,
+            requested=requested,
+            device_budget=device_budget,
         )
+        host_bytes = plan.swapped_layers * (fixed + plan.alpha * other) * tokens
+        return OffloadDecision(plan, host_bytes + x.numel() * x.element_size() <= self.host_limit)
+
+    def _device_limit(self, device: torch.device) -> int | None:
+        """Device bytes a step may use: the configured limit, or on CUDA for ``"auto"`` what is free plus what
+        PyTorch's allocator holds (``None``: no limit, CPU)."""
+        limit = self.config.device_memory_limit_bytes
+        if limit is not None or device.type != "cuda":
+            return limit
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
 
     # -- memory plan --------------------------------------------------------------------------------------
     def attach_memory_plan(self, plan: MemoryPlan | None) -> None:
@@ -101,8 +165,8 @@ class MemoRuntime:
         for device, transport in self._transports.items():
             transport.rounding.arena = transport.prefetch.arena = None if plan is None else Arena(plan, device)
 
-    def _plan_memory(self, batch_size: int, seq_len: int) -> None:
-        if _made_for(self.memory_plan, batch_size, seq_len):
+    def _plan_memory(self, batch_size: int, seq_len: int, decision: OffloadDecision) -> None:
+        if _made_for(self.memory_plan, batch_size, seq_len, decision):
             return
         if self._planner is None:
             warnings.warn(
@@ -112,7 +176,7 @@ class MemoRuntime:
             )
             self.attach_memory_plan(None)
         else:
-            self.attach_memory_plan(self._planner(batch_size, seq_len))
+            self.attach_memory_plan(self._planner(batch_size, seq_len, offload=decision))
 
     # -- stashes (the executor's StashSource) ---------------------------------------------------------
     def _transport(self, device: torch.device) -> _Transport:
@@ -133,7 +197,8 @@ class MemoRuntime:
         beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
         imaginary layer ``n`` (layer ``n - 2``, which shares its buffers, is never swapped).
         """
-        if not self._head_offloaded.get(_shape_key(hidden), False):
+        decision = self._decisions.get(_shape_key(hidden))
+        if decision is None or not decision.head_offloaded:
             return None
         transport = self._transport(hidden.device)
         return LayerStash(
@@ -141,14 +206,14 @@ class MemoRuntime:
         )
 
     def sealed(self, index: int, stash: LayerStash) -> None:
-        self._latest[index] = stash
+        self._latest[index] = weakref.ref(stash)
 
     def backward_started(self, index: int, device: torch.device) -> None:
         if index == self.num_layers - 1:
             self._transport(device).rounding.release_all()
         below = self._latest.get(index - 1)
-        if below is not None:
-            below.prefetch()
+        if below is not None and below() is not None:
+            below().prefetch()
 
     def backward_done(self, index: int, device: torch.device) -> None:
         if index == 0:
@@ -160,7 +225,7 @@ class MemoRuntime:
     # -- statistics -----------------------------------------------------------------------------------
     @property
     def host_reserved_bytes(self) -> int:
-        """Host bytes held by the offload pools (reused across steps)."""
+        """Host bytes held by the offload pools (reused across steps): the bytes really pinned, on CUDA."""
         return sum(t.pool.reserved_bytes for t in self._transports.values())
 
     @property
@@ -173,6 +238,15 @@ def _shape_key(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.dtype, x.device
 
 
-def _made_for(plan: MemoryPlan | None, batch_size: int, seq_len: int) -> bool:
-    """Whether ``plan`` was made for steps of ``batch_size`` sequences of ``seq_len`` tokens."""
-    return plan is not None and (plan.meta.get("batch_size"), plan.meta.get("seq_len")) == (batch_size, seq_len)
+def _device_in_use(device: torch.device) -> int:
+    """Device bytes allocated now (weights, gradients, optimizer state, the batch); 0 on CPU."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _made_for(plan: MemoryPlan | None, batch_size: int, seq_len: int, decision: OffloadDecision) -> bool:
+    """Whether ``plan`` was made for steps of ``batch_size`` sequences of ``seq_len`` tokens run with ``decision``."""
+    return (
+        plan is not None
+        and (plan.meta.get("batch_size"), plan.meta.get("seq_len")) == (batch_size, seq_len)
+        and plan.meta.get("offload") == decision.to_dict()
+    )

@@ -3,25 +3,93 @@
 On CUDA, host buffers are pinned and copies run on their own device-to-host and host-to-device
 streams, ordered against the compute stream with events. On CPU the same calls are plain copies and
 events are ``None``, so every code path runs in the CPU test suite.
+
+Pinning: PyTorch's pinned allocator (``pin_memory=True``) rounds every request up to a power of two
+and keeps freed blocks cached, so a 2.02 GiB stash would pin 4 GiB, for good. The pool instead pins
+plain host memory with ``cudaHostRegister`` (:class:`RegisteredMemory`): each buffer pins its size
+rounded up to a page, and unpinning gives it back to the system.
 """
 
 from __future__ import annotations
+
+import mmap
+import weakref
+from typing import Any, Protocol
 
 import torch
 
 from hf_memo.profiler.placement import mark_host
 
+PAGE = mmap.PAGESIZE
+
+
+class HostMemory(Protocol):
+    """Where a :class:`HostPool` gets its buffers."""
+
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """A ``(nbytes,)`` uint8 host buffer and the bytes it really holds; freed when the buffer is garbage."""
+        ...
+
+
+class PlainMemory:
+    """Unpinned host memory (CPU runs: copies are plain copies)."""
+
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        return torch.empty(nbytes, dtype=torch.uint8), nbytes
+
+
+class RegisteredMemory:
+    """Page-aligned plain host memory pinned with ``cudaHostRegister``: exactly its pages are pinned.
+
+    Args:
+        cudart: the CUDA runtime bindings (``torch.cuda.cudart()`` by default); the tests pass a stand-in.
+        device: the device whose streams copy from and to the buffers (synchronised before unpinning).
+    """
+
+    def __init__(self, cudart: Any = None, device: torch.device | None = None) -> None:
+        self.cudart = cudart if cudart is not None else torch.cuda.cudart()
+        self.device = device
+
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        pinned = -(-max(nbytes, 1) // PAGE) * PAGE
+        raw = torch.empty(pinned + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        buffer = raw[start : start + nbytes]
+        error = self.cudart.cudaHostRegister(raw.data_ptr() + start, pinned, 0)
+        if error != self.cudart.cudaError.success:
+            raise RuntimeError(
+                f"cudaHostRegister could not pin {pinned} bytes of host memory for offloading "
+                f"({self.cudart.cudaGetErrorString(error)}); lower MemoConfig.host_memory_limit"
+            )
+        # Unpinned once the buffer is garbage; ``raw`` (held by the finaliser) keeps the memory until then.
+        weakref.finalize(buffer, self._unregister, raw, raw.data_ptr() + start).atexit = False
+        return buffer, pinned
+
+    def _unregister(self, raw: torch.Tensor, address: int) -> None:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)  # no copy may still read or write the pages
+        self.cudart.cudaHostUnregister(address)
+
 
 class HostPool:
     """Host byte buffers reused across steps: acquiring after a release of a large enough buffer allocates nothing.
 
-    Buffers are pinned when the device is CUDA. ``reserved_bytes`` only grows when more bytes are in
-    flight at once than ever before (e.g. a longer sequence).
+    Buffers are pinned (:class:`RegisteredMemory`) when the device is CUDA. ``reserved_bytes`` counts
+    the bytes the buffers really hold (pinned bytes on CUDA); it grows when more bytes are in flight at
+    once than ever before, and shrinks at :meth:`trim` (a new step shape), which frees the buffers not
+    in use and those in use once they come back.
+
+    Args:
+        memory: where buffers come from; by default pinned memory for CUDA, plain memory otherwise.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.pin = device.type == "cuda"
+    def __init__(self, device: torch.device, memory: HostMemory | None = None) -> None:
+        if memory is None:
+            memory = RegisteredMemory(device=device) if device.type == "cuda" else PlainMemory()
+        self.memory = memory
         self._free: list[torch.Tensor] = []
+        self._held: dict[int, tuple[int, int]] = {}  # id(buffer) -> (bytes held, generation)
+        self._generation = 0
         self.reserved_bytes = 0
         self.in_use_bytes = 0
 
@@ -31,15 +99,31 @@ class HostPool:
         if fitting:
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         else:
-            buffer = mark_host(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin))
-            self.reserved_bytes += nbytes
+            buffer, held = self.memory.allocate(nbytes)
+            mark_host(buffer)
+            self._held[id(buffer)] = (held, self._generation)
+            self.reserved_bytes += held
         self.in_use_bytes += buffer.numel()
         return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Give a buffer from :meth:`acquire` back for reuse."""
+        """Give a buffer from :meth:`acquire` back for reuse (or free it, if it predates the last :meth:`trim`)."""
         self.in_use_bytes -= buffer.numel()
-        self._free.append(buffer)
+        if self._held[id(buffer)][1] == self._generation:
+            self._free.append(buffer)
+        else:
+            self._forget(buffer)
+
+    def trim(self) -> None:
+        """Free every buffer not in use now; buffers in use are freed when they are released."""
+        self._generation += 1
+        for buffer in self._free:
+            self._forget(buffer)
+        self._free = []
+
+    def _forget(self, buffer: torch.Tensor) -> None:
+        held, _ = self._held.pop(id(buffer))
+        self.reserved_bytes -= held
 
 
 class CopyEngine:
