@@ -4,9 +4,11 @@ import torch
 
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
-from hf_memo.runtime.calibration import host_bandwidth, layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime import calibration
+from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.calibration import _stashed_bytes, host_bandwidth, layer_bytes_per_token, time_layer_forward
 from hf_memo.runtime.offload import HostPool
-from tests.conftest import build_model
+from tests.conftest import ShapeRecorder, build_model
 
 
 def _layer_input(seq=64):
@@ -44,3 +46,88 @@ def test_timings_and_bandwidth_are_positive():
     pool = HostPool(torch.device("cpu"))
     assert host_bandwidth(x, pool) > 0
     assert pool.in_use_bytes == 0 and pool.reserved_bytes == x.numel() * x.element_size()  # kept for the stash
+
+
+class _ConstantSaver:
+    """The layer's split, whose finish also saves one ``(B, 1, H)`` tensor: the same bytes at any length."""
+
+    def __init__(self, split):
+        self.split, self.scale = split, split.scale
+
+    def project(self, x, start, stop):
+        return self.split.project(x, start, stop)
+
+    def finish(self, x, o):
+        total = x.sum(dim=1, keepdim=True)
+        return self.split.finish(x, o) + total * total
+
+    def kept(self):
+        return self.split.kept()
+
+
+def test_per_token_bytes_leave_out_tensors_whose_size_does_not_grow_with_the_tokens():
+    split, x = _layer_input()
+    assert layer_bytes_per_token(_ConstantSaver(split), x, rows=32) == layer_bytes_per_token(split, x, rows=32)
+
+
+def test_under_autocast_the_probe_stashes_only_per_token_bytes():
+    model = build_model("llama", dtype=torch.float32)
+    x = torch.randn(2, 40, 32)
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(40)[None]))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
+        short, long = _stashed_bytes(split, x, 10), _stashed_bytes(split, x, 40)
+        fixed, other = layer_bytes_per_token(split, x, rows=40)
+    assert long == 4 * short  # nothing of constant size (the weights' bf16 casts) is stashed
+    assert fixed + other == long / (2 * 40)
+
+
+class _RecordingSplit:
+    """Forwards to a layer split and logs the rows of every call."""
+
+    def __init__(self, split, log):
+        self.split, self.scale, self.log = split, split.scale, log
+
+    def project(self, x, start, stop):
+        self.log.append(("project", x.shape[1]))
+        return self.split.project(x, start, stop)
+
+    def finish(self, x, o):
+        self.log.append(("finish", x.shape[1]))
+        return self.split.finish(x, o)
+
+    def kept(self):
+        return self.split.kept()
+
+
+class _RecordingCore:
+    def __init__(self, log):
+        self.log = log
+
+    def forward(self, q, k, v, scale):
+        self.log.append(("attention", q.shape[2]))
+        return LocalAttention.forward(q, k, v, scale)
+
+
+def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them(monkeypatch):
+    split, x = _layer_input(seq=50)
+    log = []
+    clock = iter(range(100))
+
+    def perf_counter():
+        log.append(("clock", None))
+        return float(next(clock))
+
+    monkeypatch.setattr(calibration.time, "perf_counter", perf_counter)
+    bounds = chunk_bounds(50, 4)
+    timing = time_layer_forward(_RecordingSplit(split, log), x.detach(), bounds, _RecordingCore(log))
+    one_pass = [("project", b - a) for a, b in bounds] + [("attention", 50)] + [("finish", b - a) for a, b in bounds]
+    assert log == one_pass + [("clock", None)] + one_pass + [("clock", None)]  # warm-up, then the timed call
+    assert timing.seconds == 1.0 and timing.workspace_bytes == 0  # CPU: no device memory counter
+
+
+def test_timing_never_builds_a_full_length_mlp_intermediate():
+    split, x = _layer_input(seq=64)
+    with ShapeRecorder() as shapes:
+        time_layer_forward(split, x.detach(), chunk_bounds(64, 4))
+    widths = {s[-1] for s in shapes.shapes if len(s) == 3 and s[1] == 64}
+    assert 72 not in widths and max(s[1] for s in shapes.shapes if len(s) == 3 and s[-1] == 72) == 16

@@ -1,6 +1,12 @@
+import contextlib
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 
+import hf_memo
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
@@ -8,7 +14,7 @@ from hf_memo.planner.plan import MemoryPlan
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.memo import MemoRuntime
-from tests.conftest import build_model
+from tests.conftest import assert_same_grads, build_model, make_batch
 
 
 def _split_and_input(seq=32):
@@ -51,3 +57,54 @@ def test_a_memory_plan_for_another_shape_is_not_used():
     with pytest.warns(ArenaWarning, match="no memory plan for batch 1 x 32 tokens"):
         runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention)
     assert runtime.memory_plan is None
+
+
+def _memo_model(layers=4, **config):
+    model = build_model("llama", num_hidden_layers=layers)
+    return hf_memo.apply(model, recompute="memo", mlp_chunks=4, **{"offload_fraction": 0.5, **config})
+
+
+def _sealed_stashes(monkeypatch) -> list:
+    sealed = []
+    original = MemoRuntime.sealed
+
+    def spy(self, index, stash):
+        sealed.append(weakref.ref(stash))
+        original(self, index, stash)
+
+    monkeypatch.setattr(MemoRuntime, "sealed", spy)
+    return sealed
+
+
+def test_an_aborted_step_keeps_no_stash_alive_and_the_next_step_is_exact(monkeypatch):
+    model = _memo_model()
+    reference = copy.deepcopy(model)
+    hf_memo.revert(reference)
+    sealed = _sealed_stashes(monkeypatch)
+    ids, labels = make_batch(2, 16)
+    loss = model(input_ids=ids, labels=labels).loss  # backward never runs
+    assert len(sealed) == 4 and all(ref() is not None for ref in sealed)
+    del loss
+    gc.collect()
+    assert all(ref() is None for ref in sealed)  # the top layers' device stashes went with the graph
+    sealed.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(model.lm_head, "forward", lambda hidden: 1 / 0)
+        with contextlib.suppress(ZeroDivisionError):
+            model(input_ids=ids, labels=labels)
+    gc.collect()
+    assert len(sealed) == 4 and all(ref() is None for ref in sealed)
+    model(input_ids=ids, labels=labels).loss.backward()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_host_buffers_of_an_old_shape_are_freed_on_a_new_one():
+    model = _memo_model(layers=5)
+    runtime = hf_memo.memo_runtime(model)
+    model(input_ids=make_batch(2, 48)[0], labels=make_batch(2, 48)[1]).loss.backward()
+    long = runtime.host_reserved_bytes
+    model(input_ids=make_batch(2, 16)[0], labels=make_batch(2, 16)[1]).loss.backward()
+    fresh = _memo_model(layers=5)
+    fresh(input_ids=make_batch(2, 16)[0], labels=make_batch(2, 16)[1]).loss.backward()
+    assert 0 < runtime.host_reserved_bytes == hf_memo.memo_runtime(fresh).host_reserved_bytes < long

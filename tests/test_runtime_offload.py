@@ -1,7 +1,10 @@
+import gc
+
+import pytest
 import torch
 
 from hf_memo.profiler.placement import location_of
-from hf_memo.runtime.offload import CopyEngine, HostPool
+from hf_memo.runtime.offload import PAGE, CopyEngine, HostPool, RegisteredMemory
 
 
 def test_pool_reuses_released_buffers_and_does_not_grow():
@@ -33,3 +36,71 @@ def test_cpu_copies_are_plain_and_events_are_none():
     assert engine.to_device(back, dst) is None and torch.equal(back, src)
     assert engine.mark() is None
     engine.wait(None)
+
+
+class FakeCudaRuntime:
+    """Stands in for ``torch.cuda.cudart()``: pins whole pages, as the driver does, and counts them."""
+
+    class cudaError:  # noqa: N801 (the binding's name)
+        success = 0
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}  # address -> bytes
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        assert address % PAGE == 0 and flags == 0 and address not in self.pinned
+        self.pinned[address] = -(-nbytes // PAGE) * PAGE
+        return self.cudaError.success
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        del self.pinned[address]
+        return self.cudaError.success
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return "out of memory"
+
+
+def _pinning_pool() -> tuple[HostPool, FakeCudaRuntime]:
+    cudart = FakeCudaRuntime()
+    return HostPool(torch.device("cpu"), RegisteredMemory(cudart)), cudart
+
+
+def test_pinned_bytes_are_the_requested_bytes_rounded_to_pages_not_to_powers_of_two():
+    pool, cudart = _pinning_pool()
+    sizes = [3 * 2**20 + 5, 5 * 2**20, 123_457]  # PyTorch's pinned allocator would pin 4 + 8 + 0.125 MiB
+    buffers = [pool.acquire(n) for n in sizes]
+    pinned = sum(cudart.pinned.values())
+    assert pool.reserved_bytes == pinned and sum(sizes) <= pinned < sum(sizes) + len(sizes) * PAGE
+    for buffer, n in zip(buffers, sizes):
+        assert buffer.numel() == n and not buffer.is_pinned()  # plain memory, registered (not faked here)
+        start = buffer.data_ptr() - buffer.data_ptr() % PAGE
+        assert start in cudart.pinned and buffer.data_ptr() == start  # each buffer starts its pinned pages
+    buffers[0].copy_(torch.arange(sizes[0]).to(torch.uint8))
+    assert torch.equal(buffers[0][:300], torch.arange(300).to(torch.uint8))
+
+
+def test_a_new_shape_frees_the_buffers_of_the_old_one():
+    pool, cudart = _pinning_pool()
+    old = [pool.acquire(2 * 2**20) for _ in range(3)]
+    pool.release(old[0])
+    pool.release(old[1])
+    kept = old[2]
+    del old
+    pool.trim()  # a new step shape: the free buffers go at once
+    gc.collect()
+    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 2 * 2**20
+    new = pool.acquire(2**20)
+    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 3 * 2**20
+    pool.release(kept)  # in use during the trim: freed when it comes back, not reused
+    del kept
+    gc.collect()
+    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 2**20
+    pool.release(new)
+    assert pool.acquire(2**20 - 10) is new  # the new shape's buffers are reused as before
+
+
+def test_a_failed_registration_names_the_host_memory_limit():
+    pool, cudart = _pinning_pool()
+    cudart.cudaHostRegister = lambda address, nbytes, flags: 2
+    with pytest.raises(RuntimeError, match="could not pin 8192 bytes.*out of memory.*host_memory_limit"):
+        pool.acquire(5000)

@@ -1,8 +1,12 @@
+import copy
+
 import pytest
 import torch
 
+import hf_memo
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import ALIGN, DeviceSlots, LayerStash
+from tests.conftest import build_model, make_batch
 
 
 def _stash(index=0, swapped=True):
@@ -67,3 +71,45 @@ def test_a_stash_dropped_without_backward_gives_its_host_buffer_back():
     del stash
     gc.collect()
     assert pool.in_use_bytes == 0 and pool.reserved_bytes == ALIGN * 3
+
+
+def _stashed_under_autocast(model, ids, labels):
+    """Loss, and (shape, dtype) of every storage the memo stashes took, of a step under CPU bf16 autocast."""
+    taken = []
+    original = LayerStash.add
+
+    def spy(self, tensor):
+        if tensor.untyped_storage()._cdata not in self._index_of:
+            taken.append((tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.dtype))
+        return original(self, tensor)
+
+    LayerStash.add = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+    finally:
+        LayerStash.add = original
+    loss.backward()
+    return loss.detach(), taken
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen-attention"])
+def test_autocast_weight_casts_are_never_stashed_and_gradients_track_unpatched(frozen):
+    model = build_model("llama", dtype=torch.float32, num_hidden_layers=4)
+    if frozen:  # frozen fp32 weights: autocast's casts of them have no graph
+        for name, p in model.named_parameters():
+            p.requires_grad_("self_attn" not in name)
+    reference = copy.deepcopy(model)
+    hf_memo.apply(model, recompute="memo", offload_fraction=1.0, mlp_chunks=3, lm_head_chunks=2)
+    ids, labels = make_batch(2, 20)
+    got, taken = _stashed_under_autocast(model, ids, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    weight_sizes = {p.numel() for p in model.parameters()}
+    assert taken and not [t for t in taken if t[0] in weight_sizes], "a weight's bf16 cast was stashed"
+    torch.testing.assert_close(got, want.detach(), rtol=1e-2, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-2 * q.grad.abs().max().item(), msg=name)

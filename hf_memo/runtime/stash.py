@@ -180,20 +180,55 @@ class LayerStash:
         return [buffer[offset : offset + nbytes].view(dtype) for offset, nbytes, dtype in self._layout]
 
 
+def _from_kept_only(tensor: torch.Tensor, kept: set[int], kept_sizes: set[int]) -> bool:
+    """Whether ``tensor`` is computed from the kept tensors (storage addresses ``kept``) alone, not from the
+    layer's input: e.g. a weight's lower-precision copy under autocast. Such a tensor has no token
+    dimension: it is the same for every token, recreated per call (or cached by autocast), never per-token.
+
+    With a graph, autograd says it: every leaf it reaches is a kept tensor. Without one (a frozen weight's
+    cast, a dropout mask), a floating tensor whose storage has as many elements as a kept tensor counts as
+    its cast (whatever view of it was saved: transposed, or expanded over the batch).
+    """
+    if tensor.grad_fn is None:
+        if tensor.requires_grad or not tensor.is_floating_point():
+            return False
+        return tensor.untyped_storage().nbytes() // tensor.element_size() in kept_sizes
+    seen, todo = {}, [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node  # held, so ids stay unique during the walk
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
+        if leaf is not None:
+            if leaf.untyped_storage()._cdata not in kept:
+                return False
+            continue
+        todo.extend(fn for fn, _ in node.next_functions)
+    return True
+
+
 def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool) -> saved_tensors_hooks:
     """Saved-tensor hooks that put into ``stash`` the saved tensors sharing a storage with ``tensors``
-    (``stash_them=True``), or every saved tensor but those (``stash_them=False``); the rest stay as they are.
+    (``stash_them=True``), or every saved tensor computed from the layer's input (``stash_them=False``:
+    not those, nor tensors computed from ``tensors`` alone, such as autocast's weight casts, which are
+    the same for every token); the rest stay as they are.
 
     ``tensors`` must stay alive while the hooks are in use. The hooks hold no reference to them: the
     graph keeps its hooks, and a stashed tensor's device memory must be free to go once the stash
     has its bytes.
     """
     storages = {t.untyped_storage()._cdata for t in tensors}  # storage addresses, unique while alive
+    sizes = {t.numel() for t in tensors}
 
     def pack(tensor: torch.Tensor):
-        if (tensor.untyped_storage()._cdata in storages) == stash_them:
-            return stash.add(tensor)
-        return (tensor,)
+        if stash_them:
+            stashed = tensor.untyped_storage()._cdata in storages
+        else:
+            stashed = tensor.untyped_storage()._cdata not in storages and not _from_kept_only(tensor, storages, sizes)
+        # Detached: a saved output holding its own grad_fn would make a cycle autograd never frees if the
+        # graph is dropped without a backward (an aborted step). Autograd restores the metadata on unpack.
+        return stash.add(tensor) if stashed else (tensor.detach(),)
 
     def unpack(packed) -> torch.Tensor:
         return packed[0] if isinstance(packed, tuple) else stash.rebuild(packed)
