@@ -3,10 +3,14 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from torch._subclasses.fake_tensor import is_fake
 
 import hf_memo
 from hf_memo.patches.apply import memo_runtime
 from hf_memo.patches.planning import plan_training_step
+from hf_memo.runtime import memo
+from hf_memo.runtime.calibration import LayerForward
+from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
 
 BUFFERS = {"rounding 0", "rounding 1", "prefetch 0", "prefetch 1"}
@@ -74,3 +78,38 @@ def test_planning_needs_a_patched_model():
     with pytest.raises(ValueError, match="needs a model patched by hf_memo.apply"):
         plan_training_step(build_model("llama"), 1, 8)
     assert torch.is_grad_enabled()
+
+
+def test_the_plan_is_made_for_the_offload_the_real_model_solved(monkeypatch):
+    # Fake tensors' timings mean nothing: here a fake layer "takes" no time, so a profiling copy left to
+    # solve alpha itself would offload nothing, while the real layer (1 s, unlimited bandwidth) offloads all.
+    monkeypatch.setattr(
+        memo, "time_layer_forward", lambda split, x, bounds, core: LayerForward(0.0 if is_fake(x) else 1.0, 0)
+    )
+    seen = []
+    original = MemoRuntime.alpha_chunks
+
+    def spy(self, split, x, bounds, core):
+        chunks = original(self, split, x, bounds, core)
+        seen.append((is_fake(x), chunks))
+        return chunks
+
+    monkeypatch.setattr(MemoRuntime, "alpha_chunks", spy)
+    model = hf_memo.apply(
+        build_model("llama", num_hidden_layers=5), recompute="memo", mlp_chunks=4, planner="greedy", host_bandwidth=1e15
+    )
+    runtime = memo_runtime(model)
+    early = plan_training_step(model, 2, 16, progress=False)  # before the real model ran: the copy's own alpha
+    assert early.meta["offload"]["alpha"] == 0.0
+    runtime.attach_memory_plan(early)
+    seen.clear()
+    ids, labels = make_batch(2, 16)
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert runtime.plan.alpha == 1.0 and runtime.memory_plan is not early  # planned again, for the real offload
+    assert runtime.memory_plan.meta["offload"] == {
+        "alpha": 1.0,
+        "swapped_layers": 3,
+        "bound": "all",
+        "head_offloaded": True,
+    }
+    assert {chunks for fake, chunks in seen if fake} == {chunks for fake, chunks in seen if not fake} == {4}

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from hf_memo.runtime.alpha import quantise, solve_offload_fraction
+from hf_memo.runtime.alpha import OffloadPlan, quantise, solve_offload_fraction
 
 GiB = 2**30
 
@@ -50,3 +50,31 @@ def test_layers_that_do_not_fit_stay_on_the_device():
 def test_quantise_rounds_down_to_the_chunk_grid():
     assert quantise(0.49, 4) == 1 and quantise(0.5, 4) == 2 and quantise(1.0, 3) == 3 and quantise(0.0, 8) == 0
     assert quantise(1 / 8, 8) == 1
+
+
+def test_the_device_budget_lowers_an_alpha_bandwidth_would_allow():
+    # 10 layers, 8 swapped: the device holds the 2 top layers' stashes and 2 rounding (or prefetch) buffers,
+    # 4 x (1 GB + alpha x 4 GB). Bandwidth and host would take alpha = 1; 12 GB of device budget allow 0.5.
+    args = dict(num_layers=10, fixed_bytes=1e9, other_bytes=4e9, host_limit=1e15, bandwidth=1e12, layer_time=1.0)
+    assert solve_offload_fraction(**args) == OffloadPlan(1.0, 8, "all")
+    plan = solve_offload_fraction(**args, device_budget=12e9)
+    assert plan.bound == "device memory" and math.isclose(plan.alpha, 0.5) and plan.swapped_layers == 8
+    assert solve_offload_fraction(**args, device_budget=20e9).alpha == 1.0  # 4 x 5 GB fit
+
+
+def test_layers_the_host_cannot_take_count_against_the_device_budget():
+    # The host holds 3 of 8 layers: 5 + 2 layers stay on the device, plus 2 buffers: 9 x (1 + alpha x 1) GiB.
+    with pytest.warns(UserWarning, match="3 of 8 layers"):
+        plan = solve_offload_fraction(10, GiB, GiB, 3.5 * GiB, bandwidth=1e15, layer_time=1.0, device_budget=13.5 * GiB)
+    assert plan.swapped_layers == 3 and plan.bound == "host memory"  # host: 3.5 / 3 - 1 = 0.17 < device: 0.5
+    plan = solve_offload_fraction(10, GiB, GiB, 1e15, bandwidth=1e15, layer_time=1.0, device_budget=5 * GiB)
+    assert plan.bound == "device memory" and math.isclose(plan.alpha, 0.25)  # 4 x (1 + 0.25) = 5
+
+
+def test_a_requested_alpha_the_device_cannot_hold_is_lowered_and_an_impossible_budget_warns():
+    with pytest.warns(UserWarning, match="offload_fraction=0.75 needs more device memory than the limit allows"):
+        plan = solve_offload_fraction(10, 1e9, 4e9, 1e15, requested=0.75, device_budget=12e9)
+    assert plan == OffloadPlan(0.5, 8, "device memory")
+    with pytest.warns(UserWarning, match="cannot hold the layer inputs and attention outputs the device keeps"):
+        plan = solve_offload_fraction(10, 1e9, 4e9, 1e15, bandwidth=1e12, layer_time=1.0, device_budget=3e9)
+    assert plan.alpha == 0.0 and plan.bound == "device memory"

@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import math
 import gc
 import weakref
 
@@ -13,6 +14,7 @@ from hf_memo.patches.llama import FAMILY
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.calibration import layer_bytes_per_token
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
 
@@ -108,3 +110,32 @@ def test_host_buffers_of_an_old_shape_are_freed_on_a_new_one():
     fresh = _memo_model(layers=5)
     fresh(input_ids=make_batch(2, 16)[0], labels=make_batch(2, 16)[1]).loss.backward()
     assert 0 < runtime.host_reserved_bytes == hf_memo.memo_runtime(fresh).host_reserved_bytes < long
+
+
+def test_a_device_memory_limit_bounds_alpha_and_auto_has_none_on_cpu():
+    split, x = _split_and_input()
+    fixed, other = layer_bytes_per_token(split, x)
+    tokens = x.shape[0] * x.shape[1]
+    budget = 4 * (fixed + 0.5 * other) * tokens  # 2 top layers + 2 buffers, at alpha = 1/2
+    config = dict(recompute="memo", host_bandwidth=1e15, layer_time=1.0)
+    bounds = chunk_bounds(x.shape[1], 8)
+    free = MemoRuntime(MemoConfig(**config), num_layers=6)
+    limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(budget)), num_layers=6)
+    assert free.alpha_chunks(split, x, bounds, LocalAttention) == 8 and free._device_limit(x.device) is None
+    assert limited.alpha_chunks(split, x, bounds, LocalAttention) == 4
+    assert limited.plan.bound == "device memory" and limited.plan.alpha == pytest.approx(0.5, rel=1e-3)
+
+
+def test_calibration_times_attention_through_the_layers_own_core():
+    """Under sequence parallelism the core exchanges heads for the sequence: the timed layer must include it."""
+    calls = []
+
+    class ExchangingCore:
+        def forward(self, q, k, v, scale):
+            calls.append(q.shape)
+            return LocalAttention.forward(q, k, v, scale)
+
+    split, x = _split_and_input()
+    runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)
+    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore())
+    assert len(calls) == 2 and calls[0][2] == x.shape[1]  # warm-up and timed call, over the whole sequence
