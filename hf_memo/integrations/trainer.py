@@ -23,8 +23,8 @@ W&B... receive them:
     everything the process holds, not only tensors, and it never decreases. CPU has no tensor peak
     counter; the fake-tensor profile (``hf-memo estimate``) is the number to compare across setups.
 ``hf_memo/host_offload_gib``
-    Host bytes held by the memo executor's offload pools (reused across steps), in GiB; 0 for the
-    other recompute modes.
+    Host bytes held by the memo executor's offload pools (reused across steps; on CUDA the bytes really
+    pinned), in GiB; 0 for the other recompute modes.
 ``hf_memo/tokens_per_second``
     Real tokens of every training forward (padding, where the ``attention_mask`` is 0, left out; prompt
     tokens included) of all data-parallel replicas, divided by the training time of the steps since the
