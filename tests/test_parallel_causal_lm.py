@@ -78,6 +78,9 @@ def two_rank_cases() -> dict[str, Case]:
         "memo executor with the memory planner": Case(
             "llama", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo={**MEMO, "planner": "greedy"}
         ),
+        "memo executor, alpha solved (calibration runs the all-to-alls on every rank)": Case(
+            "llama", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo={"recompute": "memo"}
+        ),
     }
 
 
