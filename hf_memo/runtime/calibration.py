@@ -8,7 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from hf_memo.runtime.attention_core import LocalAttention
-from hf_memo.runtime.executor import AttentionCore, LayerSplit, MemoLayerFunction
+from hf_memo.runtime.executor import (  # the executor's own layout steps, so the timed pattern is its pattern
+    AttentionCore,
+    LayerSplit,
+    MemoLayerFunction,
+    _gather_heads,
+    _sequence_major,
+)
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
@@ -96,11 +102,11 @@ def _chunked_forward(
 ) -> torch.Tensor:
     """The executor's forward pattern: project per chunk, attention over the sequence, finish per chunk."""
     parts = [split.project(x[:, start:stop], start, stop) for start, stop in bounds]
-    q, k, v = (torch.cat([chunk[i] for chunk in parts], dim=2) for i in range(3))
+    q, k, v = (_gather_heads([chunk[i] for chunk in parts]) for i in range(3))
     del parts
-    out, _ = core.forward(q, k, v, split.scale)
+    out, _ = core.forward(q, k, v, split.scale, split.dropout_p)
     del q, k, v
-    o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
+    o_rows = _sequence_major(out).transpose(1, 2).reshape(*x.shape[:2], -1)
     del out
     y = None
     for start, stop in bounds:
