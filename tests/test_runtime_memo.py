@@ -2,7 +2,6 @@ import contextlib
 import copy
 import gc
 import math
-import warnings
 import weakref
 
 import pytest
@@ -140,23 +139,3 @@ def test_calibration_times_attention_through_the_layers_own_core():
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)
     runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore())
     assert len(calls) == 2 and calls[0][2] == x.shape[1]  # warm-up and timed call, over the whole sequence
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda.mem_get_info")
-def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers_alpha():
-    device = torch.device("cuda")
-    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2).cuda()
-    x = torch.randn(1, 2048, 32, dtype=torch.bfloat16, device=device)
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(2048, device=device)[None]))
-    bounds = chunk_bounds(2048, 8)
-    runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, layer_time=1.0), num_layers=6)
-    free, _ = torch.cuda.mem_get_info(device)
-    assert runtime._device_limit(device) == free + torch.cuda.memory_reserved(device)
-    assert runtime.alpha_chunks(split, x, bounds, LocalAttention) == 8  # a small layer fits anywhere
-    fixed, other = layer_bytes_per_token(split, x)
-    tight = torch.cuda.memory_allocated(device) + int(4 * (fixed + 0.5 * other) * 2048)  # no room for workspace
-    limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=tight), 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the workspace may leave less than the layers' fixed bytes
-        limited.alpha_chunks(split, x, bounds, LocalAttention)
-    assert limited.plan.bound == "device memory" and limited.plan.alpha < 0.5

@@ -104,25 +104,3 @@ def test_a_failed_registration_names_the_host_memory_limit():
     cudart.cudaHostRegister = lambda address, nbytes, flags: 2
     with pytest.raises(RuntimeError, match="could not pin 8192 bytes.*out of memory.*host_memory_limit"):
         pool.acquire(5000)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pins host memory for a real GPU")
-def test_cuda_pool_pins_exactly_its_pages_outside_pytorchs_pinned_allocator():
-    device = torch.device("cuda")
-    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-    pool, engine = HostPool(device), CopyEngine(device)
-    nbytes = 3 * 2**20 + 5  # PyTorch's pinned allocator would pin 4 MiB
-    buffer = pool.acquire(nbytes)
-    assert buffer.is_pinned() and pool.reserved_bytes == -(-nbytes // PAGE) * PAGE
-    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached
-    src = torch.randint(0, 256, (nbytes,), device=device, dtype=torch.uint8)
-    engine.wait(engine.to_host(buffer, src))
-    back = torch.empty_like(src)
-    engine.wait(engine.to_device(back, buffer))
-    torch.cuda.synchronize(device)
-    assert torch.equal(back, src)
-    pool.release(buffer)
-    pool.trim()
-    del buffer
-    gc.collect()
-    assert pool.reserved_bytes == 0

@@ -1,0 +1,70 @@
+"""The memo runtime on CUDA (GPU only): pinned host buffers pin their pages and nothing more, calibration's
+chunked forward measured with CUDA events and the device memory counter, the "auto" device limit."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+from hf_memo.config import MemoConfig
+from hf_memo.minseq.chunking import chunk_bounds
+from hf_memo.patches.llama import FAMILY
+from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.calibration import layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.runtime.offload import PAGE, CopyEngine, HostPool
+from tests.conftest import build_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA runtime needs a GPU")
+
+
+def test_cuda_pool_pins_exactly_its_pages_outside_pytorchs_pinned_allocator():
+    device = torch.device("cuda")
+    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    pool, engine = HostPool(device), CopyEngine(device)
+    nbytes = 3 * 2**20 + 5  # PyTorch's pinned allocator would pin 4 MiB
+    buffer = pool.acquire(nbytes)
+    assert buffer.is_pinned() and pool.reserved_bytes == -(-nbytes // PAGE) * PAGE
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached
+    src = torch.randint(0, 256, (nbytes,), device=device, dtype=torch.uint8)
+    engine.wait(engine.to_host(buffer, src))
+    back = torch.empty_like(src)
+    engine.wait(engine.to_device(back, buffer))
+    torch.cuda.synchronize(device)
+    assert torch.equal(back, src)
+    pool.release(buffer)
+    pool.trim()
+    del buffer
+    gc.collect()
+    assert pool.reserved_bytes == 0
+
+
+def test_cuda_timing_measures_the_chunked_forward_and_its_memory():
+    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=1, intermediate_size=1024).cuda()
+    x = torch.randn(1, 4096, 32, dtype=torch.bfloat16, device="cuda")
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(4096, device="cuda")[None]))
+    chunked = time_layer_forward(split, x, chunk_bounds(4096, 8))
+    whole = time_layer_forward(split, x, chunk_bounds(4096, 1))
+    assert chunked.seconds > 0 and 0 < chunked.workspace_bytes < whole.workspace_bytes
+    intermediate = 4096 * 1024 * 2  # one full-length (S, I) bf16 MLP intermediate
+    assert whole.workspace_bytes - chunked.workspace_bytes > intermediate
+
+
+def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers_alpha():
+    device = torch.device("cuda")
+    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2).cuda()
+    x = torch.randn(1, 2048, 32, dtype=torch.bfloat16, device=device)
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(2048, device=device)[None]))
+    bounds = chunk_bounds(2048, 8)
+    runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, layer_time=1.0), num_layers=6)
+    free, _ = torch.cuda.mem_get_info(device)
+    assert runtime._device_limit(device) == free + torch.cuda.memory_reserved(device)
+    assert runtime.alpha_chunks(split, x, bounds, LocalAttention) == 8  # a small layer fits anywhere
+    fixed, other = layer_bytes_per_token(split, x)
+    tight = torch.cuda.memory_allocated(device) + int(4 * (fixed + 0.5 * other) * 2048)  # no room for workspace
+    limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=tight), 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the workspace may leave less than the layers' fixed bytes
+        limited.alpha_chunks(split, x, bounds, LocalAttention)
+    assert limited.plan.bound == "device memory" and limited.plan.alpha < 0.5
