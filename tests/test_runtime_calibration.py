@@ -6,7 +6,13 @@ from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
 from hf_memo.runtime import calibration
 from hf_memo.runtime.attention_core import LocalAttention
-from hf_memo.runtime.calibration import _stashed_bytes, host_bandwidth, layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.calibration import (
+    _stashed_bytes,
+    host_bandwidth,
+    layer_bytes_per_token,
+    layer_forward_seconds,
+    time_layer_forward,
+)
 from hf_memo.runtime.offload import HostPool
 from tests.conftest import ShapeRecorder, build_model
 
@@ -131,3 +137,12 @@ def test_timing_never_builds_a_full_length_mlp_intermediate():
         time_layer_forward(split, x.detach(), chunk_bounds(64, 4))
     widths = {s[-1] for s in shapes.shapes if len(s) == 3 and s[1] == 64}
     assert 72 not in widths and max(s[1] for s in shapes.shapes if len(s) == 3 and s[-1] == 72) == 16
+
+
+def test_layer_forward_seconds_times_chunks_of_at_most_chunk_tokens_rows(monkeypatch):
+    split, x = _layer_input(seq=50)
+    log = []
+    monkeypatch.setattr(calibration.time, "perf_counter", iter(range(100)).__next__)
+    seconds = layer_forward_seconds(_RecordingSplit(split, log), x.detach(), chunk_tokens=16)
+    projected = [rows for kind, rows in log if kind == "project"]
+    assert projected == [b - a for a, b in chunk_bounds(50, 4)] * 2 and seconds == 1.0  # ceil(50 / 16) = 4 chunks, warm-up then timed

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import (  # the executor's own layout steps, so the timed pattern is its pattern
     AttentionCore,
@@ -146,6 +147,13 @@ def time_layer_forward(
         end.record()
         end.synchronize()
         return LayerForward(start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(x.device) - base)
+
+
+def layer_forward_seconds(split: LayerSplit, x: torch.Tensor, chunk_tokens: int = 1024) -> float:
+    """Seconds of one warm forward of the layer on ``x`` ``(B, S, H)`` in chunks of at most ``chunk_tokens``
+    rows (the default is ``MemoConfig.min_chunk_tokens``'s), timed as :func:`time_layer_forward` does."""
+    chunks = -(-x.shape[1] // chunk_tokens)
+    return time_layer_forward(split, x, chunk_bounds(x.shape[1], chunks)).seconds
 
 
 def host_bandwidth(x: torch.Tensor, pool: HostPool) -> float:
