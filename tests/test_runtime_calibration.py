@@ -145,4 +145,6 @@ def test_layer_forward_seconds_times_chunks_of_at_most_chunk_tokens_rows(monkeyp
     monkeypatch.setattr(calibration.time, "perf_counter", iter(range(100)).__next__)
     seconds = layer_forward_seconds(_RecordingSplit(split, log), x.detach(), chunk_tokens=16)
     projected = [rows for kind, rows in log if kind == "project"]
-    assert projected == [b - a for a, b in chunk_bounds(50, 4)] * 2 and seconds == 1.0  # ceil(50 / 16) = 4 chunks, warm-up then timed
+    assert (
+        projected == [b - a for a, b in chunk_bounds(50, 4)] * 2 and seconds == 1.0
+    )  # ceil(50 / 16) = 4 chunks, warm-up then timed
