@@ -301,3 +301,21 @@ def test_plan_fit_survives_the_plan_file(tmp_path):
     fit = memo_trainer.plan_fit(model, MEMO, 1, 16)
     assert json.loads(json.dumps(fit)) == fit
     assert memo_trainer.plan_fit(build_model("llama", num_hidden_layers=3), MEMO, 1, 16) != fit
+
+
+def test_auto_offload_is_planned_once_for_the_alpha_the_first_step_solved(tmp_path, monkeypatch):
+    plans = []
+    original = memo_trainer.plan_training_step
+    monkeypatch.setattr(
+        memo_trainer, "plan_training_step", lambda *a, **k: plans.append("callback") or original(*a, **k)
+    )
+    # Fixed layer time and bandwidth: the solved alpha is the same on every machine (bandwidth bound, 0 < alpha < 1).
+    config = MEMO.replace(offload_fraction="auto", layer_time=1.0, host_bandwidth=4e5)
+    callback = MemoCallback(config, progress=False)
+    trainer = make_trainer(tmp_path, callbacks=[callback], steps=2)
+    trainer.train()
+    runtime = memo_runtime(trainer.model)
+    assert plans == []  # the callback made no plan of its own for an offload not solved yet
+    cached = MemoryPlan.load(tmp_path / "hf_memo_plan.json")
+    assert callback.plan_source == "planned" and cached.fingerprint == runtime.memory_plan.fingerprint
+    assert cached.meta["offload"]["alpha"] == runtime.plan.alpha and 0 < runtime.plan.alpha < 1

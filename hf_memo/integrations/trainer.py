@@ -10,7 +10,9 @@ Under ``recompute="memo"`` with a planner it plans memory for the shape ``(B, S)
 training batch, on the first training forward (the first moment the shape is known, before any of it
 runs), and attaches the plan; the plan is cached in ``<output_dir>/hf_memo_plan.json`` and reused
 (on resume, or a rerun) when it was made for the same shape, model config, dtype, trainable
-parameters, adapters and hf_memo config. Other shapes are planned by the runtime on their first step.
+parameters, adapters and hf_memo config. With ``offload_fraction="auto"`` the offload is only known
+once the real model has solved it in the first step: the runtime plans for it then, and the callback
+caches that plan after the step. Other shapes are planned by the runtime on their first step.
 
 On every training log (the logs that carry ``loss``) it adds, so that the console, TensorBoard,
 W&B... receive them:
@@ -202,6 +204,7 @@ class MemoCallback(TrainerCallback):
         self._args: TrainingArguments | None = None
         self._hook: Any = None
         self._needs_plan = False
+        self._plan_to_cache: tuple[Path, dict[str, Any]] | None = None
         self._reset_interval()
 
     # -- Trainer events ------------------------------------------------------------------------------------
@@ -219,6 +222,8 @@ class MemoCallback(TrainerCallback):
         self._start(args, model)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
+        if self._plan_to_cache is not None:
+            self._cache_runtime_plan(*self._plan_to_cache)
         if control.should_log and args.device.type == "cuda":
             torch.cuda.synchronize(args.device)  # the step's kernels belong to this interval
         now = time.perf_counter()
@@ -357,20 +362,40 @@ class MemoCallback(TrainerCallback):
         path = Path(args.output_dir) / self.plan_file
         plan = self._cached_plan(path, fit)
         source = "reused"
+        runtime = memo_runtime(model)
+        if plan is None and applied_config(model).offload_fraction == "auto":
+            # The offload is solved on the real model in the first step: the runtime plans for it then, and the
+            # plan is cached after that step (a plan made now would be for an offload the step may not choose).
+            self._plan_to_cache = (path, fit)
+            return
         if plan is None:
             device = next(model.parameters()).device
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 plan = plan_training_step(model, batch_size, seq_len, progress=self.progress)
-            plan.meta[FIT_KEY] = fit
+            self._save_plan(plan, path, fit)
             source = "planned"
-            if args.should_save:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_name(f".{path.name}.{os.getpid()}")
-                plan.save(partial)
-                os.replace(partial, path)
-        memo_runtime(model).attach_memory_plan(plan)
+        runtime.attach_memory_plan(plan)
         self.plan_path, self.plan_source = path, source
         logger.info("hf_memo: memory plan for batch %d x %d tokens %s (%s)", batch_size, seq_len, source, path)
+
+    def _cache_runtime_plan(self, path: Path, fit: dict[str, Any]) -> None:
+        """Write the plan the runtime made in the first step (for the offload it solved) to the cache."""
+        self._plan_to_cache = None
+        plan = memo_runtime(self._model).memory_plan
+        if plan is None:
+            return
+        self._save_plan(plan, path, fit)
+        self.plan_path, self.plan_source = path, "planned"
+        logger.info("hf_memo: memory plan for the offload solved in the first step cached (%s)", path)
+
+    def _save_plan(self, plan: MemoryPlan, path: Path, fit: dict[str, Any]) -> None:
+        """Record what ``plan`` fits in its meta and write it atomically to ``path`` (on the saving process)."""
+        plan.meta[FIT_KEY] = fit
+        if self._args.should_save:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}")
+            plan.save(partial)
+            os.replace(partial, path)
 
     @staticmethod
     def _cached_plan(path: Path, fit: dict[str, Any]) -> MemoryPlan | None:
