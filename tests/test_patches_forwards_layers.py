@@ -1,5 +1,6 @@
 """Decoder-layer recompute modes (full, selective, memo) against the unpatched Hugging Face model."""
 
+import contextlib
 import copy
 import logging
 
@@ -214,6 +215,77 @@ def test_hf_checkpointing_keeps_checkpointing_under_recompute_none():
     model = hf_memo.apply(_build("llama"), recompute="none")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert _attention_runs(model, *make_batch(2, 19))[1] == 2 * LAYERS
+
+
+class StandInDeviceRng:
+    """A CPU generator that ``torch.utils.checkpoint`` takes for the RNG of device 0 of type ``"privateuseone"``.
+
+    Installed as ``torch.privateuseone`` (the device module checkpoint looks up), with checkpoint's lookup of the
+    devices of its *positional* tensor arguments redirected to it, as it finds a GPU's RNG on a GPU.
+    """
+
+    _initialized = True
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def device(self, _index):
+        return contextlib.nullcontext()
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    def get_rng_state(self, _device=None) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor, _device=None) -> None:
+        self.generator.set_state(state)
+
+    def install(self, monkeypatch) -> None:
+        def positional_tensors(args) -> bool:
+            return any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(args))
+
+        monkeypatch.setattr(torch, "privateuseone", self, raising=False)
+        monkeypatch.setattr(
+            torch.utils.checkpoint, "_infer_device_type", lambda *a: "privateuseone" if positional_tensors(a) else "cpu"
+        )
+        monkeypatch.setattr(
+            torch.utils.checkpoint,
+            "get_device_states",
+            lambda *a: ([0], [self.get_rng_state()]) if positional_tensors(a) else ([], []),
+        )
+
+
+class DeviceRngDropout(torch.nn.Module):
+    """Dropout drawing its mask from a :class:`StandInDeviceRng`, as dropout on a GPU draws from the GPU's RNG."""
+
+    def __init__(self, p: float, rng: StandInDeviceRng) -> None:
+        super().__init__()
+        self.p, self.rng = p, rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = torch.rand(x.shape, generator=self.rng.generator, dtype=x.dtype) >= self.p
+        return x * keep / (1 - self.p)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_checkpointed_recomputation_replays_device_rng_dropout(recompute, monkeypatch):
+    rng, reference_rng = StandInDeviceRng(seed=5), StandInDeviceRng(seed=5)
+    model = _build("gpt2")
+    reference = copy.deepcopy(model)
+    rng.install(monkeypatch)
+    for m, generator in ((model, rng), (reference, reference_rng)):
+        for block in m.transformer.h:
+            block.attn.resid_dropout = DeviceRngDropout(0.3, generator)
+    _apply(model, recompute, None)
+    ids, labels = make_batch(2, 15)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
 def test_memo_refuses_padding_masks_and_windows():
