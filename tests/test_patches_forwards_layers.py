@@ -300,6 +300,30 @@ def test_memo_refuses_padding_masks_and_windows():
         windowed(input_ids=ids, labels=labels)
 
 
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_memo_training_forward_without_labels_matches_unpatched(family, alpha):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", alpha)
+    ids, _ = make_batch(2, 14)
+    weights = torch.randn(2, 14, model.config.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for m in (model, reference):
+        m.zero_grad()
+        out = m(input_ids=ids)
+        assert out.loss is None
+        (out.logits * weights).sum().backward()
+    for seed in (1, 2):  # memo ran its layers (the first step calibrates), and steps stay exact
+        ids = make_batch(2, 14, seed=seed)[0]
+        logits = {}
+        for name, m in (("memo", model), ("reference", reference)):
+            m.zero_grad()
+            logits[name] = m(input_ids=ids, use_cache=False).logits
+            (logits[name] * weights).sum().backward()
+        torch.testing.assert_close(logits["memo"], logits["reference"], rtol=1e-12, atol=1e-12)
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert patch_state(model).runtime.attention_calls > 0
+
+
 def test_memo_leaves_evaluation_untouched():
     model = _apply(_build("llama"), "memo", 1.0)
     reference = copy.deepcopy(model)
