@@ -306,7 +306,8 @@ def test_memo_training_forward_without_labels_matches_unpatched(family, alpha):
     reference = copy.deepcopy(model)
     _apply(model, "memo", alpha)
     ids, _ = make_batch(2, 14)
-    weights = torch.randn(2, 14, model.config.vocab_size, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(2, 14, model.config.vocab_size, generator=generator, dtype=torch.float64)
     for m in (model, reference):
         m.zero_grad()
         out = m(input_ids=ids)

@@ -6,7 +6,6 @@ forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
@@ -15,12 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
@@ -140,8 +134,8 @@ def causal_lm_forward(
         )
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
-    passthrough = {f.name for f in dataclasses.fields(family.output_class)} - {"loss", "logits"}
-    result = family.output_class(loss=loss, **{name: outputs.get(name) for name in passthrough})
+    fields = family.output_class.__dataclass_fields__
+    result = family.output_class(loss=loss, **{k: v for k, v in outputs.items() if k in fields and k != "logits"})
     if result.hidden_states is not None:
         result.hidden_states = _normed_last(backbone, norm, result.hidden_states, hidden)
     return result if return_dict else result.to_tuple()
@@ -310,7 +304,7 @@ def checkpointed_layer_forward(
     def run(hidden_states: torch.Tensor, **named: Any) -> Any:
         return takeover.call(layer, inner, hidden_states=hidden_states, **named)
 
-    context = noop_context_fn
     if config.recompute == "selective":
         context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-    return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
+        return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
+    return checkpoint(run, hidden, use_reentrant=False, **arguments)
