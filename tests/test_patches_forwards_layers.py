@@ -2,7 +2,6 @@
 
 import contextlib
 import copy
-import logging
 
 import pytest
 import torch
@@ -174,47 +173,6 @@ def test_memo_gradient_accumulation_with_num_items(family):
         _step(model, ids, labels, num_items_in_batch=num_items)
         _step(reference, ids, labels, num_items_in_batch=num_items)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
-
-
-def _attention_runs(model, ids, labels):
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    with OpCounter(flash) as counter:
-        loss = _step(model, ids, labels)
-    return loss, counter.counts[flash]
-
-
-@pytest.mark.parametrize("enable", ["before-apply", "after-apply"])
-@pytest.mark.parametrize("recompute,alpha", [("full", None), ("selective", None), ("memo", 0.5)])
-def test_recompute_modes_take_layers_over_from_hf_checkpointing(recompute, alpha, enable, caplog):
-    model = _build("llama")
-    reference = copy.deepcopy(model)
-    plain = _apply(copy.deepcopy(model), recompute, alpha)
-    if enable == "before-apply":
-        model.gradient_checkpointing_enable()
-    with caplog.at_level(logging.INFO, logger="hf_memo.patches.forwards"):
-        _apply(model, recompute, alpha)
-        if enable == "after-apply":
-            model.gradient_checkpointing_enable()
-        _step(model, *make_batch(2, 19, seed=2))  # the first step calibrates memo; later steps log nothing more
-        model.zero_grad()
-        ids, labels = make_batch(2, 19)
-        loss, runs = _attention_runs(model, ids, labels)
-    _step(plain, *make_batch(2, 19, seed=2))
-    assert model.is_gradient_checkpointing  # Hugging Face's flag stays set
-    takeovers = [r for r in caplog.records if "recomputes the decoder layers instead" in r.getMessage()]
-    assert len(takeovers) == 1 and takeovers[0].levelno == logging.INFO
-    # No layer is checkpointed twice: attention runs as often as without Hugging Face's flag
-    # (full: forward + one recomputation; selective keeps attention's output; memo never recomputes it).
-    assert runs == _attention_runs(plain, ids, labels)[1] == (2 if recompute == "full" else 1) * LAYERS
-    reference_loss = _step(reference, ids, labels)
-    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
-    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
-
-
-def test_hf_checkpointing_keeps_checkpointing_under_recompute_none():
-    model = hf_memo.apply(_build("llama"), recompute="none")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert _attention_runs(model, *make_batch(2, 19))[1] == 2 * LAYERS
 
 
 class StandInDeviceRng:

@@ -7,7 +7,6 @@ forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -24,13 +23,12 @@ from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.patches.family import Family
+from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.zero3 import check_not_zero3
-
-logger = logging.getLogger(__name__)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -171,41 +169,6 @@ def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, An
     return arguments
 
 
-class HFCheckpointingTakeover:
-    """The decoder layers of a model under a recompute mode of hf_memo, which Hugging Face gradient checkpointing
-    (``gradient_checkpointing_enable()``, ``TrainingArguments(gradient_checkpointing=True)``) would also wrap.
-
-    hf_memo's recompute mode runs them: their forward is called with Hugging Face's checkpoint wrapper
-    (``GradientCheckpointingLayer``) switched off, so no layer is checkpointed twice, and the model's flag
-    stays set (and harmless). Taking over is logged once, at info level.
-    """
-
-    def __init__(self, config: MemoConfig) -> None:
-        self.config = config
-        self._logged = False
-
-    def log(self) -> None:
-        """Say once that hf_memo's recompute mode replaces Hugging Face gradient checkpointing."""
-        if not self._logged:
-            self._logged = True
-            logger.info(
-                "Hugging Face gradient checkpointing is on: MemoConfig.recompute=%r recomputes the decoder layers "
-                "instead (the model's gradient_checkpointing flag is left as is and has no effect on them)",
-                self.config.recompute,
-            )
-
-    def call(self, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any) -> Any:
-        """``inner(*args, **kwargs)``, the forward of ``layer``, without Hugging Face's checkpointing of it."""
-        if not getattr(layer, "gradient_checkpointing", False):
-            return inner(*args, **kwargs)
-        self.log()
-        layer.gradient_checkpointing = False
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            layer.gradient_checkpointing = True
-
-
 def memo_layer_forward(
     config: MemoConfig,
     family: Family,
@@ -230,7 +193,7 @@ def memo_layer_forward(
     if not (hidden.requires_grad or params):
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
     if getattr(layer, "gradient_checkpointing", False):
-        takeover.log()
+        takeover.log()  # the executor recomputes what it needs; a layer checkpoint function is not called
     window = family.sliding_window(layer)
     seq_len = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
     if window is not None and seq_len > window:
@@ -304,6 +267,9 @@ def checkpointed_layer_forward(
     def run(hidden_states: torch.Tensor, **named: Any) -> Any:
         return takeover.call(layer, inner, hidden_states=hidden_states, **named)
 
+    custom = takeover.custom_checkpoint(layer)
+    if custom is not None:
+        return custom(partial(run, **arguments), hidden)
     if config.recompute == "selective":
         context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
         return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)

@@ -12,13 +12,13 @@ from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     FinalNormDeferral,
-    HFCheckpointingTakeover,
     causal_lm_forward,
     checkpointed_layer_forward,
     final_norm_forward,
     memo_layer_forward,
     mlp_forward,
 )
+from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.planning import plan_training_step
 from hf_memo.runtime.memo import MemoRuntime
