@@ -8,7 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import hf_memo
-from tests.conftest import assert_same_grads, make_batch
+from hf_memo.patches import FAMILIES, apply_hf_memo_to_llama, uninstall_from_class
+from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.test_patches_forwards_layers import LAYERS, OpCounter, _apply, _build, _step
 
 
@@ -71,4 +72,19 @@ def test_a_checkpoint_function_of_ones_own_is_called_in_place_of_hf_memos(recomp
     torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
     assert calls == [1] * LAYERS  # once per layer, the hidden states positionally
     assert len(forwards) == 2 * LAYERS  # its forward and its recomputation: no second checkpoint inside
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_models_built_with_checkpointing_in_their_config_are_patched_at_construction():
+    family = FAMILIES["llama"]
+    apply_hf_memo_to_llama(recompute="selective", mlp_chunks=3)
+    try:
+        model = build_model("llama", num_hidden_layers=LAYERS, gradient_checkpointing=True)
+    finally:
+        uninstall_from_class(family)
+    assert model.is_activation_checkpointing and hf_memo.applied_config(model).recompute == "selective"
+    reference = copy.deepcopy(model)
+    hf_memo.revert(reference)
+    ids, labels = make_batch(2, 13)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
