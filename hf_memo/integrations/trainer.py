@@ -6,7 +6,7 @@
 When the Trainer is built and when training begins, the callback applies hf_memo with its config if
 the model is not patched yet, or checks that the model's patch has that config; it refuses settings
 that contradict it (Liger-Kernel). With ``gradient_checkpointing=True`` and a recompute mode, hf_memo's mode
-runs the decoder layers instead of Hugging Face checkpointing (see ``hf_memo.patches.forwards``).
+runs the decoder layers instead of Hugging Face checkpointing (see ``hf_memo.patches.hf_checkpointing``).
 Under ``recompute="memo"`` with a planner it plans memory for the shape ``(B, S)`` of the first
 training batch, on the first training forward (the first moment the shape is known, before any of it
 runs), and attaches the plan; the plan is cached in ``<output_dir>/hf_memo_plan.json`` and reused
