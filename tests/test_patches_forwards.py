@@ -146,3 +146,44 @@ def test_return_dict_false_gives_a_tuple_with_the_loss_first(family):
     ids, labels = make_batch(1, 9)
     out = model(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(out, tuple) and out[0].ndim == 0
+
+
+HIDDEN_STATE_MODES = [("none", None), ("full", None), ("selective", None), ("memo", 0.5)]
+
+
+@pytest.mark.parametrize("recompute,alpha", HIDDEN_STATE_MODES, ids=[m for m, _ in HIDDEN_STATE_MODES])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_training_hidden_states_are_transformers_own(family, recompute, alpha):
+    model, reference = model_pair(family)
+    extra = {} if alpha is None else {"offload_fraction": alpha}
+    hf_memo.apply(model, recompute=recompute, mlp_chunks=3, lm_head_chunks=4, **extra)
+    ids, labels = make_batch(2, 13)
+    last_layer = reference.transformer.h[-1] if family == "gpt2" else reference.model.layers[-1]
+    pre_norm = []
+    last_layer.register_forward_hook(lambda _module, _args, output: pre_norm.append(output.detach()))
+    got = model(input_ids=ids, labels=labels, output_hidden_states=True)
+    want = reference(input_ids=ids, labels=labels, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == model.config.num_hidden_layers + 1
+    for mine, theirs in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+    # The chunked head keeps the final norm's input, not the normed hidden states.
+    (kept, *_params) = got.loss.grad_fn.saved_tensors
+    torch.testing.assert_close(kept, pre_norm[0].reshape(kept.shape), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    # The returned hidden states are differentiable like transformers' own (the loss's gradients are tested
+    # by the other tests; its float32 backward would round a sum with these).
+    for out in (got, want):
+        (out.hidden_states[-1].square().mean() + out.hidden_states[1].sum() / 7).backward()
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_hidden_states_selected_by_index_pass_through(family):
+    model, reference = model_pair(family)
+    hf_memo.apply(model, lm_head_chunks=3)
+    ids, labels = make_batch(2, 9)
+    got = model(input_ids=ids, labels=labels, output_hidden_states=[0, -1]).hidden_states
+    want = reference(input_ids=ids, labels=labels, output_hidden_states=[0, -1]).hidden_states
+    assert [h is None for h in got] == [h is None for h in want]
+    for mine, theirs in zip(got, want):
+        if theirs is not None:
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)

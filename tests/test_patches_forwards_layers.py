@@ -1,5 +1,6 @@
 """Decoder-layer recompute modes (full, selective, memo) against the unpatched Hugging Face model."""
 
+import contextlib
 import copy
 
 import pytest
@@ -174,16 +175,75 @@ def test_memo_gradient_accumulation_with_num_items(family):
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
-@pytest.mark.parametrize("recompute", ["full", "selective", "memo"])
-def test_hf_checkpointing_conflict_is_refused_at_apply_and_at_run_time(recompute):
-    model = _build("llama")
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match=f"recompute='{recompute}' cannot be combined with Hugging Face gradient"):
-        hf_memo.apply(model, recompute=recompute)
-    model = hf_memo.apply(_build("llama"), recompute=recompute)
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="cannot be combined with Hugging Face gradient checkpointing"):
-        _step(model, *make_batch(1, 8))
+class StandInDeviceRng:
+    """A CPU generator that ``torch.utils.checkpoint`` takes for the RNG of device 0 of type ``"privateuseone"``.
+
+    Installed as ``torch.privateuseone`` (the device module checkpoint looks up), with checkpoint's lookup of the
+    devices of its *positional* tensor arguments redirected to it, as it finds a GPU's RNG on a GPU.
+    """
+
+    _initialized = True
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def device(self, _index):
+        return contextlib.nullcontext()
+
+    def device_count(self) -> int:
+        return 1
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.bfloat16]
+
+    def get_rng_state(self, _device=None) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor, _device=None) -> None:
+        self.generator.set_state(state)
+
+    def install(self, monkeypatch) -> None:
+        def positional_tensors(args) -> bool:
+            return any(isinstance(a, torch.Tensor) for a in torch.utils._pytree.tree_leaves(args))
+
+        monkeypatch.setattr(torch, "privateuseone", self, raising=False)
+        monkeypatch.setattr(
+            torch.utils.checkpoint, "_infer_device_type", lambda *a: "privateuseone" if positional_tensors(a) else "cpu"
+        )
+        monkeypatch.setattr(
+            torch.utils.checkpoint,
+            "get_device_states",
+            lambda *a: ([0], [self.get_rng_state()]) if positional_tensors(a) else ([], []),
+        )
+
+
+class DeviceRngDropout(torch.nn.Module):
+    """Dropout drawing its mask from a :class:`StandInDeviceRng`, as dropout on a GPU draws from the GPU's RNG."""
+
+    def __init__(self, p: float, rng: StandInDeviceRng) -> None:
+        super().__init__()
+        self.p, self.rng = p, rng
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = torch.rand(x.shape, generator=self.rng.generator, dtype=x.dtype) >= self.p
+        return x * keep / (1 - self.p)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_checkpointed_recomputation_replays_device_rng_dropout(recompute, monkeypatch):
+    rng, reference_rng = StandInDeviceRng(seed=5), StandInDeviceRng(seed=5)
+    model = _build("gpt2")
+    reference = copy.deepcopy(model)
+    rng.install(monkeypatch)
+    for m, generator in ((model, rng), (reference, reference_rng)):
+        for block in m.transformer.h:
+            block.attn.resid_dropout = DeviceRngDropout(0.3, generator)
+    _apply(model, recompute, None)
+    ids, labels = make_batch(2, 15)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
 def test_memo_refuses_padding_masks_and_windows():
@@ -196,6 +256,31 @@ def test_memo_refuses_padding_masks_and_windows():
     windowed = _apply(_build("mistral", sliding_window=8), "memo", 0.0)
     with pytest.raises(ValueError, match="sliding window of 8 tokens and the sequence has 12"):
         windowed(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_memo_training_forward_without_labels_matches_unpatched(family, alpha):
+    model = _build(family)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", alpha)
+    ids, _ = make_batch(2, 14)
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.randn(2, 14, model.config.vocab_size, generator=generator, dtype=torch.float64)
+    for m in (model, reference):
+        m.zero_grad()
+        out = m(input_ids=ids)
+        assert out.loss is None
+        (out.logits * weights).sum().backward()
+    for seed in (1, 2):  # memo ran its layers (the first step calibrates), and steps stay exact
+        ids = make_batch(2, 14, seed=seed)[0]
+        logits = {}
+        for name, m in (("memo", model), ("reference", reference)):
+            m.zero_grad()
+            logits[name] = m(input_ids=ids, use_cache=False).logits
+            (logits[name] * weights).sum().backward()
+        torch.testing.assert_close(logits["memo"], logits["reference"], rtol=1e-12, atol=1e-12)
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert patch_state(model).runtime.attention_calls > 0
 
 
 def test_memo_leaves_evaluation_untouched():

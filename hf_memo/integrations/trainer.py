@@ -5,7 +5,8 @@
 
 When the Trainer is built and when training begins, the callback applies hf_memo with its config if
 the model is not patched yet, or checks that the model's patch has that config; it refuses settings
-that contradict it (Hugging Face gradient checkpointing together with a recompute mode, Liger-Kernel).
+that contradict it (Liger-Kernel). With ``gradient_checkpointing=True`` and a recompute mode, hf_memo's mode
+runs the decoder layers instead of Hugging Face checkpointing (see ``hf_memo.patches.hf_checkpointing``).
 Under ``recompute="memo"`` with a planner it plans memory for the shape ``(B, S)`` of the first
 training batch, on the first training forward (the first moment the shape is known, before any of it
 runs), and attaches the plan; the plan is cached in ``<output_dir>/hf_memo_plan.json`` and reused
@@ -102,14 +103,6 @@ def peak_rss_bytes() -> int:
 
 def check_training_arguments(args: TrainingArguments, config: MemoConfig) -> None:
     """Refuse ``TrainingArguments`` that contradict ``config`` (``ValueError`` naming both settings)."""
-    checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
-    if checkpointing and config.recompute != "none":
-        raise ValueError(
-            f"TrainingArguments(gradient_checkpointing=True) and MemoConfig.recompute={config.recompute!r} both "
-            "decide what to recompute in backward. Set gradient_checkpointing=False to let hf_memo recompute, or use "
-            "MemoConfig(recompute='none') to keep Hugging Face checkpointing with hf_memo's mini-sequence MLP and "
-            "LM head."
-        )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(
             "TrainingArguments(use_liger_kernel=True) would patch the MLP and the LM head + loss, which hf_memo "

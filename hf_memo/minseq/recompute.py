@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState
@@ -101,5 +102,15 @@ def run_chunked(
     if len(bounds) == 1:
         return fn(x, *bounds[0])
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        if torch.compiler.is_compiling():
+            return _checkpointed_chunks(fn, x, bounds, reduce)
         return _ChunkedRecompute.apply(fn, bounds, reduce, x, *params)
     return _forward_chunks(fn, x, bounds, reduce, None)
+
+
+def _checkpointed_chunks(fn: ChunkFunction, x: torch.Tensor, bounds: list[tuple[int, int]], reduce: Reduce):
+    """The same computation for ``torch.compile``, which cannot trace :class:`_ChunkedRecompute` (its backward
+    differentiates inside backward and replays RNG state): each chunk is a ``torch.utils.checkpoint`` region,
+    which the compiler recomputes in backward, so chunk intermediates are still not kept."""
+    outputs = [checkpoint(fn, x[start:stop], start, stop, use_reentrant=False) for start, stop in bounds]
+    return torch.cat(outputs) if reduce == "cat" else sum(outputs[1:], outputs[0])

@@ -6,11 +6,8 @@ forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
-from contextlib import contextmanager
-from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
@@ -26,6 +23,7 @@ from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.patches.family import Family
+from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
@@ -47,21 +45,21 @@ def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callab
     return minseq_mlp(inner, x, trainable_params(module), chunks)
 
 
-_final_norm_deferred: ContextVar[bool] = ContextVar("hf_memo_final_norm_deferred", default=False)
+class FinalNormDeferral:
+    """Whether the backbone's final norm is left to the mini-sequence LM head (during a training loss forward).
+
+    A plain attribute rather than a context variable, so ``torch.compile`` traces the norm (and guards on
+    the flag) with ``fullgraph=True``.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
 
 
-def final_norm_forward(norm: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
-    """The backbone's final norm; skipped while the causal LM's loss applies it inside its mini-sequences."""
-    return x if _final_norm_deferred.get() else inner(x)
-
-
-@contextmanager
-def _final_norm_in_head() -> Any:
-    token = _final_norm_deferred.set(True)
-    try:
-        yield
-    finally:
-        _final_norm_deferred.reset(token)
+def final_norm_forward(deferral: FinalNormDeferral, norm: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
+    """The backbone's final norm over ``x`` ``(B, S, H)``; ``x`` itself while the causal LM's loss applies the norm
+    inside its mini-sequences."""
+    return x if deferral.active else inner(x)
 
 
 def _keeps_all_logits(logits_to_keep: Any) -> bool:
@@ -73,6 +71,7 @@ def causal_lm_forward(
     family: Family,
     sequence_parallel: SequenceParallelLM | None,
     runtime: MemoRuntime | None,
+    deferral: FinalNormDeferral,
     model: PreTrainedModel,
     inner: Callable,
     *args: Any,
@@ -84,21 +83,22 @@ def causal_lm_forward(
     then the final norm, LM head and loss run in mini-sequences on the ``(B, S, H)`` hidden states:
     neither the ``(B, S, V)`` logits nor the norm's full-length intermediates exist, and only the
     norm's input is kept for backward (on the host under the memo executor, see
-    :mod:`hf_memo.runtime.head_offload`). ``logits`` is ``None`` in the output. Everything else (evaluation,
-    ``generate()``, calls without labels) goes to the original forward unchanged.
-    With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the sequence
-    and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
+    :mod:`hf_memo.runtime.head_offload`). ``logits`` is ``None`` in the output; ``hidden_states``
+    (``output_hidden_states=True``) are transformers' own, the last one after the final norm.
+    Everything else (evaluation, ``generate()``, calls without labels) goes to the original forward
+    unchanged. With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the
+    sequence and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
     """
+    if not model.training:  # evaluation and generate(): no argument binding, so torch.compile traces it whole
+        return _original_forward(model, sequence_parallel, inner, args, kwargs)
     signature = inspect.signature(inner)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
     var_keyword = next(n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD)
     extra = dict(arguments.pop(var_keyword, {}))
     labels = arguments.pop("labels", None)
     logits_to_keep = arguments.pop("logits_to_keep", 0)
-    if not model.training or labels is None or not _keeps_all_logits(logits_to_keep):
-        if sequence_parallel is not None:
-            return sequence_parallel.unsplit_forward(model, inner, *args, **kwargs)
-        return inner(*args, **kwargs)
+    if labels is None or not _keeps_all_logits(logits_to_keep):
+        return _original_forward(model, sequence_parallel, inner, args, kwargs)
     check_not_zero3(model)  # DeepSpeed may have partitioned the parameters after apply()
     if sequence_parallel is not None:
         arguments, extra = sequence_parallel.shard(arguments, extra, labels)
@@ -107,8 +107,11 @@ def causal_lm_forward(
     if return_dict is None:
         return_dict = model.config.return_dict
     backbone = getattr(model, model.base_model_prefix)
-    with _final_norm_in_head():  # the norm runs per chunk in the loss: only its input is kept for backward
+    deferral.active = True  # the norm runs per chunk in the loss: only its input is kept for backward
+    try:
         outputs = backbone(**arguments, **extra)
+    finally:
+        deferral.active = False
     hidden = outputs.last_hidden_state
     head, norm = model.get_output_embeddings(), getattr(backbone, family.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
@@ -129,9 +132,31 @@ def causal_lm_forward(
         )
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
-    passthrough = {f.name for f in dataclasses.fields(family.output_class)} - {"loss", "logits"}
-    result = family.output_class(loss=loss, **{name: outputs.get(name) for name in passthrough})
+    fields = family.output_class.__dataclass_fields__
+    result = family.output_class(loss=loss, **{k: v for k, v in outputs.items() if k in fields and k != "logits"})
+    if result.hidden_states is not None:
+        result.hidden_states = _normed_last(backbone, norm, result.hidden_states, hidden)
     return result if return_dict else result.to_tuple()
+
+
+def _original_forward(
+    model: PreTrainedModel, sequence_parallel: SequenceParallelLM | None, inner: Callable, args: tuple, kwargs: dict
+) -> Any:
+    if sequence_parallel is not None:
+        return sequence_parallel.unsplit_forward(model, inner, *args, **kwargs)
+    return inner(*args, **kwargs)
+
+
+def _normed_last(
+    backbone: nn.Module, norm: nn.Module, hidden_states: tuple, last: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
+    """``hidden_states`` as transformers returns them: where its last entry is the backbone's ``last_hidden_state``
+    (``config.tie_last_hidden_states``, the default), that entry is after the final norm, which the deferred backbone
+    skipped. The norm runs here on the full ``(B, S, H)`` ``last``, apart from the loss's mini-sequences."""
+    tie_last = getattr(backbone.config, "tie_last_hidden_states", None)
+    if not hidden_states or hidden_states[-1] is not last or tie_last is False:
+        return hidden_states
+    return (*hidden_states[:-1], norm(last))
 
 
 def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -144,40 +169,31 @@ def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, An
     return arguments
 
 
-def _refuse_hf_checkpointing(config: MemoConfig, layer: nn.Module) -> None:
-    if getattr(layer, "gradient_checkpointing", False):
-        raise ValueError(hf_checkpointing_conflict(config))
-
-
-def hf_checkpointing_conflict(config: MemoConfig) -> str:
-    """The error for Hugging Face gradient checkpointing turned on under a recompute mode of hf_memo."""
-    return (
-        f"MemoConfig.recompute={config.recompute!r} cannot be combined with Hugging Face gradient checkpointing "
-        "(model.gradient_checkpointing_enable() or TrainingArguments(gradient_checkpointing=True)): both decide "
-        "what to recompute. Turn Hugging Face checkpointing off, or use MemoConfig(recompute='none')."
-    )
-
-
 def memo_layer_forward(
     config: MemoConfig,
     family: Family,
     runtime: MemoRuntime,
     sequence_parallel: SequenceParallelLM | None,
+    takeover: HFCheckpointingTakeover,
     index: int,
     layer: nn.Module,
     inner: Callable,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """Decoder-layer forward under the memo executor (training with gradients); otherwise the original."""
+    """Decoder-layer forward under the memo executor (training with gradients); otherwise the original.
+
+    Training forwards without labels run here too (the layer does not know about the head).
+    """
     if not (layer.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
-    _refuse_hf_checkpointing(config, layer)
     arguments = _bound_arguments(inner, args, kwargs)
     hidden = arguments["hidden_states"]
     params = trainable_params(layer)
     if not (hidden.requires_grad or params):
-        return inner(*args, **kwargs)  # nothing to differentiate: nothing to keep
+        return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
+    if getattr(layer, "gradient_checkpointing", False):
+        takeover.log()  # the executor recomputes what it needs; a layer checkpoint function is not called
     window = family.sliding_window(layer)
     seq_len = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
     if window is not None and seq_len > window:
@@ -231,17 +247,30 @@ SELECTIVE_SAVE_OPS = {
 }
 
 
-def checkpointed_layer_forward(config: MemoConfig, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+def checkpointed_layer_forward(
+    config: MemoConfig, takeover: HFCheckpointingTakeover, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any
+) -> Any:
     """Decoder-layer forward under ``recompute="full"`` (keep the input) or ``"selective"`` (keep matmul and
-    attention outputs, recompute norms, activations, RoPE and elementwise ops)."""
+    attention outputs, recompute norms, activations, RoPE and elementwise ops).
+
+    The hidden states ``(B, S, H)`` go to ``torch.utils.checkpoint`` positionally: it records the RNG state of
+    the devices of its positional tensors only, and the recomputation must draw the forward's dropout masks.
+    """
     if not (layer.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
-    _refuse_hf_checkpointing(config, layer)
     arguments = _bound_arguments(inner, args, kwargs)
+    hidden = arguments.pop("hidden_states")
     if "past_key_values" in arguments:  # the recomputation must not write the KV cache a second time
         arguments["past_key_values"] = None
     arguments["use_cache"] = False
+
+    def run(hidden_states: torch.Tensor, **named: Any) -> Any:
+        return takeover.call(layer, inner, hidden_states=hidden_states, **named)
+
+    custom = takeover.custom_checkpoint(layer)
+    if custom is not None:
+        return custom(partial(run, **arguments), hidden)
     if config.recompute == "selective":
         context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-        return checkpoint(lambda **named: inner(**named), use_reentrant=False, context_fn=context, **arguments)
-    return checkpoint(lambda **named: inner(**named), use_reentrant=False, **arguments)
+        return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
+    return checkpoint(run, hidden, use_reentrant=False, **arguments)

@@ -11,13 +11,14 @@ from hf_memo.config import MemoConfig
 from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
+    FinalNormDeferral,
     causal_lm_forward,
     checkpointed_layer_forward,
     final_norm_forward,
-    hf_checkpointing_conflict,
     memo_layer_forward,
     mlp_forward,
 )
+from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.planning import plan_training_step
 from hf_memo.runtime.memo import MemoRuntime
@@ -52,8 +53,9 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
             f"'{family.model_type}'), got {type(model).__name__}"
         )
+    takeover = HFCheckpointingTakeover(config)
     if config.recompute != "none" and hf_checkpointing_enabled(model):
-        raise ValueError(hf_checkpointing_conflict(config))
+        takeover.log()
     record = PatchRecord()
     sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
     layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
@@ -69,13 +71,14 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     for index, layer in enumerate(layers):
         if runtime is not None:
             record.install_forward(
-                layer, partial(memo_layer_forward, config, family, runtime, sequence_parallel, index)
+                layer, partial(memo_layer_forward, config, family, runtime, sequence_parallel, takeover, index)
             )
         elif config.recompute in ("full", "selective"):
-            record.install_forward(layer, partial(checkpointed_layer_forward, config))
+            record.install_forward(layer, partial(checkpointed_layer_forward, config, takeover))
     backbone = getattr(model, model.base_model_prefix)
-    record.install_forward(getattr(backbone, family.final_norm), final_norm_forward)
-    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel, runtime))
+    deferral = FinalNormDeferral()
+    record.install_forward(getattr(backbone, family.final_norm), partial(final_norm_forward, deferral))
+    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel, runtime, deferral))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
 
