@@ -11,7 +11,8 @@ from hf_memo.parallel.ulysses import (
     scatter_heads_gather_sequence,
     sum_replicated_kv_heads,
 )
-from hf_memo.runtime.attention_core import AttentionStats, attention_backward, attention_forward
+from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
+from hf_memo.runtime.executor import AttentionCore
 
 
 class UlyssesAttention:
@@ -21,10 +22,13 @@ class UlyssesAttention:
     and exchanges the output back; the statistics stay in the exchanged layout. Backward exchanges
     q/k/v (recomputed by the executor), the kept output and its gradient the same way, runs the
     core's backward and exchanges dq/dk/dv back (replicated KV heads' gradients summed).
+    ``core`` attends over the whole exchanged rows: :class:`LocalAttention`, or a
+    :class:`~hf_memo.runtime.varlen_attention.VarlenAttention` with the samples of the whole rows.
     """
 
-    def __init__(self, group: dist.ProcessGroup, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, size: int, core: AttentionCore | None = None) -> None:
         self.group, self.size = group, size
+        self.core = LocalAttention() if core is None else core
 
     def _scatter(self, x: torch.Tensor) -> torch.Tensor:
         return scatter_heads_gather_sequence(x.contiguous(), self.group)
@@ -36,7 +40,7 @@ class UlyssesAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
     ) -> tuple[torch.Tensor, AttentionStats]:
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
-        out, stats = attention_forward(self._scatter(q), self._scatter(k), self._scatter(v), scale, dropout_p)
+        out, stats = self.core.forward(self._scatter(q), self._scatter(k), self._scatter(v), scale, dropout_p)
         return self._gather(out), stats
 
     def backward(
@@ -51,7 +55,7 @@ class UlyssesAttention:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         kv_heads = k.shape[1]
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
-        dq, dk, dv = attention_backward(
+        dq, dk, dv = self.core.backward(
             self._scatter(grad_out),
             self._scatter(q),
             self._scatter(k),

@@ -24,10 +24,12 @@ from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.patches.family import Family
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
-from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.patches.packing import describe_training_batch
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.runtime.varlen_attention import attention_core_for
 from hf_memo.zero3 import check_not_zero3
 
 
@@ -100,6 +102,9 @@ def causal_lm_forward(
     if labels is None or not _keeps_all_logits(logits_to_keep):
         return _original_forward(model, sequence_parallel, inner, args, kwargs)
     check_not_zero3(model)  # DeepSpeed may have partitioned the parameters after apply()
+    if "use_cache" in signature.parameters:
+        arguments["use_cache"] = False  # a training step builds no cache (only then are packed samples detected)
+    arguments = describe_training_batch(model, arguments, labels, extra, per_sample=sequence_parallel is not None)
     if sequence_parallel is not None:
         arguments, extra = sequence_parallel.shard(arguments, extra, labels)
 
@@ -194,18 +199,21 @@ def memo_layer_forward(
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
     if getattr(layer, "gradient_checkpointing", False):
         takeover.log()  # the executor recomputes what it needs; a layer checkpoint function is not called
+    layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
+    masked = layout is None and arguments.get("attention_mask") is not None
+    if masked or arguments.get("encoder_hidden_states") is not None:
+        raise ValueError(
+            "recompute='memo' takes the samples of a batch from the causal LM's training forward (with labels and a "
+            "2-D attention_mask or packed position_ids); it got an attention mask outside such a step, or "
+            "cross-attention inputs"
+        )
     window = family.sliding_window(layer)
-    seq_len = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
-    if window is not None and seq_len > window:
+    longest = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
+    longest = longest if layout is None else layout.longest()
+    if window is not None and longest > window:
         raise ValueError(
             f"recompute='memo' computes full causal attention, but this layer uses a sliding window of {window} "
-            f"tokens and the sequence has {seq_len}"
-        )
-    if arguments.get("attention_mask") is not None or arguments.get("encoder_hidden_states") is not None:
-        raise ValueError(
-            "recompute='memo' runs causal self-attention over whole sequences; it got an attention mask "
-            "(padding, packed sequences or a non-sdpa attention implementation) or cross-attention inputs. "
-            "Batch sequences of equal length without padding and use attn_implementation='sdpa'."
+            f"tokens and the sequence has {longest}"
         )
     split = family.split(layer, arguments.get("position_embeddings"))
     width = family.intermediate_size(layer_config(layer))
@@ -213,11 +221,9 @@ def memo_layer_forward(
         config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
     )
     bounds = chunk_bounds(hidden.shape[1], chunks)
-    core = (
-        LocalAttention
-        if sequence_parallel is None
-        else UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size)
-    )
+    core = attention_core_for(layout)
+    if sequence_parallel is not None:
+        core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, core)
     alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core)
     return MemoLayerFunction.apply(runtime, split, core, index, bounds, alpha_chunks, hidden, *params)
 

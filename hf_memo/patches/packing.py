@@ -1,0 +1,62 @@
+"""A training step's batch as transformers must see it, and its :class:`~hf_memo.runtime.batch_layout.BatchLayout`.
+
+Called once per training step with labels, before the backbone runs. transformers honours packed
+samples (``position_ids`` restarting) only without an ``attention_mask`` and without a cache; so
+an ``attention_mask`` that marks no padding is dropped (it would hide the packing), and the caller
+turns the cache off. What the layout cannot express, or transformers would get wrong, is refused by
+:func:`~hf_memo.runtime.batch_layout.describe_batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from hf_memo.minseq.lm_head import shifted_targets
+from hf_memo.runtime.batch_layout import BatchLayout, describe_batch
+
+# Attention implementations that see packed samples: through the mask transformers builds from
+# position_ids (eager, sdpa, flex) or through position_ids themselves (flash-attention).
+PACKING_AWARE = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def describe_training_batch(
+    model: PreTrainedModel, arguments: dict, labels: Any, extra: dict
+) -> tuple[dict, BatchLayout | None]:
+    """``(arguments, layout)`` for a training step of ``model``.
+
+    Args:
+        model: the causal LM.
+        arguments: its named forward arguments (``input_ids`` ``(B, S)`` or ``inputs_embeds``
+            ``(B, S, H)``, optional ``attention_mask`` ``(B, S)``, ``position_ids`` ``(B, S)``).
+        labels: ``(B, S)`` labels.
+        extra: the forward's ``**kwargs`` (``shift_labels``, ``ignore_index``).
+
+    Returns:
+        The arguments (without an ``attention_mask`` that marks no padding) and the batch's layout;
+        ``None`` for a 4-D ``attention_mask``, which transformers applies as given.
+
+    Raises:
+        ValueError: see :func:`describe_batch`; also packed samples with an attention implementation
+            that ignores them.
+    """
+    mask = arguments.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        return arguments, None
+    sequence = arguments["input_ids"] if arguments.get("input_ids") is not None else arguments["inputs_embeds"]
+    batch, length = sequence.shape[:2]
+    ignore_index = extra.get("ignore_index", -100)
+    shift_labels = extra.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = shifted_targets(labels, ignore_index)
+    layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
+    if mask is not None and layout.real_tokens(batch) == batch * length:
+        arguments = {name: value for name, value in arguments.items() if name != "attention_mask"}
+    implementation = model.config._attn_implementation
+    if layout.packed and implementation not in PACKING_AWARE:
+        raise ValueError(
+            f"this batch packs several samples per row (position_ids restart), which attn_implementation="
+            f"{implementation!r} ignores (samples would attend to each other); use one of {', '.join(PACKING_AWARE)}"
+        )
+    return arguments, layout

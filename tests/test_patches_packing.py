@@ -1,0 +1,96 @@
+"""Packed and padded training batches in every recompute mode against the unpatched Hugging Face model.
+
+A packed row (samples of odd lengths, ``position_ids`` restarting, the first label of each sample
+-100 as ``DataCollatorWithFlattening`` writes it) must give the loss and every gradient of running
+each sample alone through the unpatched model (with the packed batch's ``num_items_in_batch``); a
+left- or right-padded batch those of the unpatched model with its attention mask. The config's
+default ``use_cache=True`` is left in place: a training step must still keep samples apart.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_memo
+from tests.conftest import VOCAB, assert_same_grads, build_model
+
+MODES = [
+    ("none", None),
+    ("full", None),
+    ("selective", None),
+    ("memo", 0.0),
+    ("memo", 0.5),
+    ("memo", 1.0),
+]
+LENGTHS = (5, 9, 3, 7)
+
+
+def _apply(model, recompute, alpha):
+    extra = {} if alpha is None else {"offload_fraction": alpha}
+    return hf_memo.apply(model, recompute=recompute, mlp_chunks=3, lm_head_chunks=2, **extra)
+
+
+def packed_row(lengths=LENGTHS, seed=0):
+    """``(samples, labels, ids (1, S), packed labels (1, S), position_ids (1, S), num_items)``."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+    labels = [s.clone() for s in samples]
+    labels[1][2] = labels[1][5] = -100
+    labels[-1][-1] = -100
+    packed_labels = torch.cat([torch.cat([torch.tensor([-100]), label[1:]]) for label in labels])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    num_items = torch.tensor(sum(int((label[1:] != -100).sum()) for label in labels))
+    return samples, labels, torch.cat(samples)[None], packed_labels, positions, num_items
+
+
+def padded_batch(side: str, seed=1):
+    """``(ids, labels, attention_mask)`` ``(3, 10)``: rows of 10, 6 and 8 real tokens padded on ``side``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, real in ((1, 6), (2, 8)):
+        pads = slice(real, None) if side == "right" else slice(None, 10 - real)
+        mask[row, pads] = 0
+        ids[row, pads] = 0
+    labels = ids.masked_fill(mask == 0, -100)  # left: the last padding token still predicts the first real one
+    labels[0, 4] = -100
+    return ids, labels, mask
+
+
+def _step(model, **batch):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _layers(family):
+    return {"n_layer": 3} if family == "gpt2" else {"num_hidden_layers": 3}
+
+
+@pytest.mark.parametrize("recompute,alpha", MODES, ids=[f"{m}-{a}" for m, a in MODES])
+def test_packed_row_equals_the_samples_run_alone(family, recompute, alpha):
+    reference = build_model(family, **_layers(family))
+    model = _apply(copy.deepcopy(reference), recompute, alpha)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items)
+    want = sum(
+        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
+        for sample, label in zip(samples, labels)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("recompute,alpha", MODES, ids=[f"{m}-{a}" for m, a in MODES])
+def test_padded_batch_equals_unpatched_with_its_mask(family, recompute, alpha, side):
+    reference = build_model(family, **_layers(family))
+    model = _apply(copy.deepcopy(reference), recompute, alpha)
+    ids, labels, mask = padded_batch(side)
+    got = _step(model, input_ids=ids, labels=labels, attention_mask=mask)
+    want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
