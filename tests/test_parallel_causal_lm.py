@@ -46,6 +46,24 @@ def _batch_case(family, batch, seq, masked=0.3, **overrides):
     return Case(family, *make_batch(batch, seq, masked), overrides=overrides)
 
 
+def _packed_case(family, rows, memo=None, **overrides):
+    """Rows of packed samples (``rows``: each row's sample lengths, equal sums), positions restarting."""
+    gen = torch.Generator().manual_seed(sum(map(sum, rows)))
+    ids = torch.stack([torch.randint(3, 101, (sum(lengths),), generator=gen) for lengths in rows])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    labels = ids.masked_fill(positions == 0, -100)  # a sample's first token is nobody's target
+    labels[0, 2] = -100
+    return Case(family, ids, labels, overrides=overrides, kwargs={"position_ids": positions}, memo=memo or {})
+
+
+def _left_padded_case(memo=None, **overrides):
+    ids, labels = make_batch(2, 13, 0.2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    labels[1, :5] = -100  # the last padding token still predicts the first real one
+    return Case("llama", ids, labels, overrides=overrides, kwargs={"attention_mask": mask}, memo=memo or {})
+
+
 def two_rank_cases() -> dict[str, Case]:
     fully_masked = make_batch(2, 16, 0.2)
     fully_masked[1][:, 8:] = -100  # rank 1's shard (tokens 8..15) has no target at all
@@ -75,6 +93,13 @@ def two_rank_cases() -> dict[str, Case]:
             "llama", *make_batch(2, 15), overrides={"num_key_value_heads": 1, "num_hidden_layers": 4}, memo=MEMO
         ),
         "memo executor, gpt2": Case("gpt2", *make_batch(2, 16), overrides={"n_layer": 4}, memo=MEMO),
+        "packed, borders on and inside shards": _packed_case("llama", [(5, 3, 6, 2), (1, 9, 6)]),
+        "packed, S padded, gpt2": _packed_case("gpt2", [(4, 7, 4)]),
+        "left padding": _left_padded_case(),
+        "memo executor, packed, S padded": _packed_case(
+            "qwen2", [(5, 3, 7), (8, 7)], memo=MEMO, num_hidden_layers=4, num_key_value_heads=1
+        ),
+        "memo executor, left padding": _left_padded_case(memo=MEMO, num_hidden_layers=4),
         "memo executor with the memory planner": Case(
             "llama", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo={**MEMO, "planner": "greedy"}
         ),
@@ -90,6 +115,8 @@ def four_rank_cases() -> dict[str, Case]:
         "sp=4, gpt2": _batch_case("gpt2", 1, 16),
         "sp=4, qwen3, 4 KV heads": _batch_case("qwen3", 2, 8, num_key_value_heads=4),
         "sp=4, S=3 shorter than sp": _batch_case("mistral", 2, 3, 0.0),
+        "sp=4, packed, S padded": _packed_case("mistral", [(5, 6, 7), (2, 3, 13)]),
+        "sp=4, memo executor, packed": _packed_case("llama", [(3, 5, 2, 6)], memo=MEMO, num_hidden_layers=4),
         "sp=4, memo executor, qwen3": Case("qwen3", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo=MEMO),
     }
 
@@ -174,7 +201,7 @@ def _four_rank_worker(rank, world):
 
 def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
     model = build_model(case.family, **case.overrides)
-    out = model(input_ids=case.ids, labels=case.labels, **case.kwargs)
+    out = model(input_ids=case.ids, labels=case.labels, use_cache=False, **case.kwargs)  # no cache: no cross-sample
     out.loss.backward()
     return model, out.loss.detach()
 

@@ -1,10 +1,11 @@
-"""Cutting a batch into sequence shards: shift before cutting, global positions, padding, right-padding masks."""
+"""Cutting a batch into sequence shards: shift before cutting, positions kept, padding, no host reads."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_memo.minseq.lm_head import shifted_targets
-from hf_memo.parallel.sharding import batch_fingerprint, check_right_padding, shard_batch
+from hf_memo.parallel.sharding import batch_fingerprint, shard_batch
 
 
 def _batch(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,11 +64,32 @@ def test_padded_positions_stay_in_a_learned_position_table():
     assert shards[3].arguments["position_ids"].tolist() == [[16, 17]]
 
 
-@pytest.mark.parametrize("positions", [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 5, 6]])
-def test_packed_position_ids_are_refused(positions):
-    ids, labels = _batch(1, 6)
-    with pytest.raises(ValueError, match="one sequence per row"):
-        shard_batch({"input_ids": ids, "position_ids": torch.tensor([positions])}, labels, None, 0, 2)
+def test_packed_rows_keep_every_token_s_position_in_its_sample():
+    ids, labels = _batch(2, 7)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 0, 1]])
+    shards = _shards({"input_ids": ids, "position_ids": positions}, labels, 2, max_positions=64)
+    joined = torch.cat([s.arguments["position_ids"] for s in shards], dim=1)
+    assert joined.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2]]
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts reads of tensor values on the host (``.item()``, ``bool(t)``: a device sync on an accelerator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_sharding_reads_no_value_on_the_host():
+    ids, labels = _batch(2, 13)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4, 5]] * 2)
+    with _ScalarReads() as reads:
+        _shards({"input_ids": ids, "position_ids": positions}, labels, 4, max_positions=8)
+    assert reads.count == 0
 
 
 def test_shift_labels_given_are_used_instead_of_labels():
@@ -87,37 +109,6 @@ def test_inputs_embeds_and_token_type_ids_are_cut_too():
     torch.testing.assert_close(last.arguments["inputs_embeds"][:, :2], embeds[:, 3:])
     assert (last.arguments["inputs_embeds"][:, 2] == 0).all()
     assert last.arguments["token_type_ids"].tolist() == [[1, 1, 0]] * 2
-
-
-def test_a_right_padding_mask_is_dropped():
-    ids, labels = _batch(2, 6)
-    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
-    labels[1, 3:] = -100
-    shard = shard_batch({"input_ids": ids, "attention_mask": mask}, labels, None, 0, 2)
-    assert "attention_mask" not in shard.arguments
-
-
-@pytest.mark.parametrize(
-    "mask,message",
-    [
-        ([[0, 1, 1, 1]], "right padding only"),
-        ([[1, 0, 1, 1]], "right padding only"),
-        ([[1, 1, 1, 0]], "has a target"),
-    ],
-)
-def test_masks_that_dropping_would_change_are_refused(mask, message):
-    targets = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(ValueError, match=message):
-        check_right_padding(torch.tensor(mask), targets, -100)
-
-
-def test_a_padded_token_without_target_is_accepted():
-    check_right_padding(torch.tensor([[1, 1, 1, 0]]), torch.tensor([[5, 6, -100, -100]]), -100)
-
-
-def test_a_4d_mask_is_refused():
-    with pytest.raises(ValueError, match=r"\(batch, seq_len\) attention_mask"):
-        check_right_padding(torch.ones(1, 1, 4, 4), torch.zeros(1, 4, dtype=torch.long), -100)
 
 
 def test_fingerprints_tell_batches_apart():

@@ -246,12 +246,11 @@ def test_checkpointed_recomputation_replays_device_rng_dropout(recompute, monkey
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
-def test_memo_refuses_padding_masks_and_windows():
+def test_memo_refuses_4d_masks_and_windows():
     model = _apply(_build("llama"), "memo", 0.0)
     ids, labels = make_batch(2, 12)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match="causal self-attention over whole sequences; it got an attention mask"):
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="takes the samples of a batch from the causal LM's training forward"):
         model(input_ids=ids, labels=labels, attention_mask=mask)
     windowed = _apply(_build("mistral", sliding_window=8), "memo", 0.0)
     with pytest.raises(ValueError, match="sliding window of 8 tokens and the sequence has 12"):

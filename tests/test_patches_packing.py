@@ -94,3 +94,56 @@ def test_padded_batch_equals_unpatched_with_its_mask(family, recompute, alpha, s
     want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_a_cache_asked_for_in_a_training_step_still_keeps_samples_apart():
+    reference = build_model("llama")
+    model = _apply(copy.deepcopy(reference), "memo", 0.5)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    got = model(input_ids=ids, labels=packed_labels, position_ids=positions, use_cache=True).loss
+    reference.config.use_cache = False
+    want = reference(input_ids=ids, labels=packed_labels, position_ids=positions).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_an_all_ones_mask_does_not_hide_packed_samples():
+    reference = build_model("qwen3")
+    model = _apply(copy.deepcopy(reference), "selective", None)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, attention_mask=torch.ones_like(ids))
+    want = _step(reference, input_ids=ids, labels=packed_labels, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("recompute,alpha", [("none", None), ("memo", 0.5)])
+def test_padding_with_packed_samples_is_refused(recompute, alpha):
+    model = _apply(build_model("llama"), recompute, alpha)
+    _, _, ids, packed_labels, positions, _ = packed_row()
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    packed_labels[0, -3:] = -100
+    with pytest.raises(ValueError, match="transformers then lets the packed samples attend to each other"):
+        model(input_ids=ids, labels=packed_labels, position_ids=positions, attention_mask=mask)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_packed_samples_with_an_attention_that_ignores_them_are_refused():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("test_positionless", sdpa_attention_forward)  # gets no mask from transformers
+    model = _apply(build_model("llama", attn_implementation="test_positionless"), "full", None)
+    _, _, ids, packed_labels, positions, _ = packed_row()
+    with pytest.raises(ValueError, match="attn_implementation='test_positionless' ignores"):
+        model(input_ids=ids, labels=packed_labels, position_ids=positions)
+
+
+def test_memo_sliding_window_is_checked_against_the_longest_sample():
+    reference = build_model("mistral", sliding_window=10)
+    model = _apply(copy.deepcopy(reference), "memo", 0.5)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()  # 24 tokens, samples of at most 9
+    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions)
+    want = _step(reference, input_ids=ids, labels=packed_labels, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)

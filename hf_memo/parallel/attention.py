@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_memo.parallel.collectives import all_to_all_differentiable
 from hf_memo.parallel.groups import sequence_parallel_groups
 from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
+from hf_memo.runtime.batch_layout import BatchLayout, current_layout
 
 WRAPPABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
@@ -86,9 +87,8 @@ def ulysses_attention(
     Args:
         module: the attention layer (its ``is_causal``, ``layer_idx``, config, ...).
         query: ``(B, h, S / sp, D)``; key, value: ``(B, kv, S / sp, D)`` for this rank's tokens.
-        attention_mask: ignored in training: the sequence-parallel forward has checked that the batch
-            is causal with right padding at most, so whatever mask the model built for this rank's
-            shard (padding at the end, or none) changes no counted token.
+        attention_mask: ignored in training: after the exchange the rows attend per sample of the
+            step's :class:`~hf_memo.runtime.batch_layout.BatchLayout` (padding left out).
         inner: the wrapped implementation (``"sdpa"`` or a flash-attention one).
         sp_size: the sequence-parallel degree.
         **kwargs: passed to the wrapped implementation (dropout, scaling, sliding_window, ...).
@@ -106,14 +106,38 @@ def ulysses_attention(
             f"sliding-window attention (window {window}) over {query.shape[2] * sp_size} tokens needs a mask, which "
             "sequence-parallel sdpa cannot build: use attn_implementation='flash_attention_2' or shorter sequences"
         )
-    kwargs.pop("position_ids", None)  # this rank's positions; after the exchange the sequence is whole and causal
+    kwargs.pop("position_ids", None)  # this rank's positions; after the exchange the rows are whole
     group = sequence_parallel_groups(sp_size).group
     query = scatter_heads_gather_sequence_differentiable(query, group)
     key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
     value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)
     view = _InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
-    output, _ = attend(view, query, key, value, None, **kwargs)  # (B, S, h / sp, D)
+    output = _attend_samples(attend, view, query, key, value, current_layout(), kwargs)  # (B, S, h / sp, D)
     return all_to_all_differentiable(output, group, scatter_dim=1, gather_dim=2), None
+
+
+def _attend_samples(
+    attend: Any,
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: BatchLayout | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """``attend`` over whole rows ``(B, h, S, D)``: causal per row, or per sample of ``layout`` (zeros on padding).
+
+    Returns ``(B, S, h, D)``. Each sample is its own causal call, so padding costs nothing and no
+    ``S x S`` mask is built.
+    """
+    if layout is None or layout.plain:
+        return attend(module, query, key, value, None, **kwargs)[0]
+    batch, heads, length, _ = query.shape
+    output = query.new_zeros(batch, length, heads, value.shape[-1])
+    for row, (start, stop) in layout.spans(batch):
+        part = slice(row, row + 1), slice(None), slice(start, stop)
+        output[row : row + 1, start:stop] = attend(module, query[part], key[part], value[part], None, **kwargs)[0]
+    return output
 
 
 def ulysses_attention_name(inner: str, sp_size: int) -> str:

@@ -26,6 +26,7 @@ from hf_memo.parallel.attention import AttentionConfigView, check_wrappable, reg
 from hf_memo.parallel.collectives import all_gather_tensor, sum_over_group
 from hf_memo.parallel.groups import SequenceParallelGroups, check_head_counts, sequence_parallel_groups
 from hf_memo.parallel.sharding import batch_fingerprint, shard_batch
+from hf_memo.runtime.batch_layout import BatchLayout
 
 
 def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
@@ -55,6 +56,8 @@ class SequenceParallelLM:
         self.inner_attention = inner_attention
         self.attention = attention
         self.max_positions = max_positions
+        self._checked_once = False
+        self._pending_check: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     @classmethod
     def install(cls, model: PreTrainedModel, config: MemoConfig, record: Any) -> SequenceParallelLM | None:
@@ -102,50 +105,87 @@ class SequenceParallelLM:
             )
         return inner(*args, **kwargs)
 
-    def shard(self, arguments: dict, extra: dict, labels: torch.Tensor | None) -> tuple[dict, dict[str, Any]]:
-        """This rank's shard of the batch, as (model arguments, loss keyword arguments).
+    def shard(
+        self, arguments: dict, extra: dict, labels: torch.Tensor | None, layout: BatchLayout | None
+    ) -> tuple[dict, dict[str, Any], BatchLayout]:
+        """This rank's shard of the batch, as (model arguments, loss keyword arguments, the step's layout).
 
         Args:
             arguments: the model's named arguments (full ``(B, S)`` sequence, equal on the whole group).
             extra: its ``**kwargs`` (``shift_labels``, ``num_items_in_batch``, ``ignore_index``, ...).
             labels: the ``(B, S)`` labels.
+            layout: the samples of the whole rows (``None`` for a 4-D ``attention_mask``: refused).
 
         Returns:
-            The arguments for the backbone (``(B, S_pad / sp)`` tokens, global ``position_ids``, no
-            attention mask, no cache) and ``extra`` with ``shift_labels`` ``(B, S_pad / sp)`` and
-            ``num_items_in_batch`` set (the Trainer's value, else the whole batch's target count).
+            The arguments for the backbone (``(B, S_pad / sp)`` tokens, the batch's ``position_ids``,
+            an empty 4-D attention mask so transformers builds none, no cache), ``extra`` with
+            ``shift_labels`` ``(B, S_pad / sp)`` and ``num_items_in_batch`` set (the Trainer's value,
+            else the whole batch's target count), and ``layout`` over the ``S_pad`` tokens every rank
+            attends over after the exchange.
 
         Raises:
-            ValueError: no suitable process group, or ranks of the group hold different batches.
+            ValueError: no suitable process group, a 4-D attention mask, or ranks of the group hold
+                different batches.
         """
+        if layout is None:
+            raise ValueError(
+                "sequence parallelism takes a (batch, seq_len) attention_mask or packed position_ids, got a 4-D "
+                "attention_mask"
+            )
         groups = self.groups
         ignore_index = extra.get("ignore_index", -100)
         shift_labels = extra.get("shift_labels")
         if shift_labels is None:
             shift_labels = shifted_targets(labels, ignore_index)
         self._check_same_batch(arguments, shift_labels, groups)
+        arguments = {name: value for name, value in arguments.items() if name != "attention_mask"}
         shard = shard_batch(
             arguments, labels, shift_labels, groups.sp_rank, self.size, ignore_index, self.max_positions
         )
-        local = {**shard.arguments, "use_cache": False}
+        batch = shard.shift_labels.shape[0]
+        # The shard's attention is the layout's, applied after the exchange; an empty 4-D mask is
+        # taken as given by transformers, which then builds no mask of its own for the shard.
+        placeholder = torch.ones(batch, 1, 0, 0, dtype=torch.bool, device=shard.shift_labels.device)
+        local = {**shard.arguments, "attention_mask": placeholder, "use_cache": False}
         num_items = extra.get("num_items_in_batch")
         loss_kwargs = {
             **extra,
             "shift_labels": shard.shift_labels,
             "num_items_in_batch": shard.target_tokens if num_items is None else num_items,
         }
-        return local, loss_kwargs
+        return local, loss_kwargs, layout.padded_to(shard.padded_length)
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The whole batch's loss from this shard's part (summed over the group, differentiable)."""
         return sum_over_group(loss, self.groups.group)
 
     def _check_same_batch(self, arguments: dict, shift_labels: torch.Tensor, groups: SequenceParallelGroups) -> None:
+        """Refuse ranks of the group holding different batches.
+
+        On the host (CPU tensors) and at the first step the check is immediate; later steps on an
+        accelerator compare on the device and read the verdict one step later, so the check never
+        stalls the host (a mismatch is reported at the latest by the next step, on every rank).
+        """
         fingerprint = batch_fingerprint(arguments, shift_labels)
         if is_fake(fingerprint):  # profiling on fake tensors: there are no values to compare
             return
-        gathered = all_gather_tensor(fingerprint, groups.group)
-        if not bool((gathered == fingerprint).all()):
+        pending, self._pending_check = self._pending_check, None
+        if pending is not None:
+            verdict, copied = pending
+            copied.synchronize()  # recorded a step ago: long done
+            self._raise_if_different(bool(verdict))
+        same = (all_gather_tensor(fingerprint, groups.group) == fingerprint).all()
+        if same.device.type == "cpu" or not self._checked_once:
+            self._checked_once = True
+            self._raise_if_different(bool(same))
+            return
+        verdict = same.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending_check = (verdict, copied)
+
+    def _raise_if_different(self, same: bool) -> None:
+        if not same:
             raise ValueError(
                 f"the {self.size} ranks of a sequence-parallel group must get the same batch, but they got different "
                 "ones: prepare the data loader with hf_memo.integrations.accelerate.attach(accelerator, model) "

@@ -4,14 +4,16 @@ Every rank of the group holds the same ``(B, S)`` batch and keeps shard ``rank``
 
 - labels are shifted *before* cutting (``shift_labels[:, t]`` is the target of token ``t``), so the
   token at a shard border still predicts the first token of the next shard;
-- ``position_ids`` are those of the whole sequence, one sequence per row (packed rows, whose
-  positions restart, are refused);
+- ``position_ids`` are those of the whole batch: each token keeps its position in its own sample,
+  whether a row holds one sample or several packed ones (which samples attend to which is the
+  step's :class:`~hf_memo.runtime.batch_layout.BatchLayout`, applied after the exchange);
 - ``S`` is padded at the end to a multiple of the group size with ignored targets; padding at the
-  end of a causal sequence is never attended to by real tokens, so no attention mask is needed.
-  Padded positions continue the row's (so the model sees no new packed sequence), capped at the
-  model's last position when the real ones stay below it (learned position tables);
-- an ``attention_mask`` may only mark right padding (real tokens first), and padded tokens must
-  have no target: then dropping the mask leaves every counted token's output unchanged.
+  end of a row is never attended to by real tokens. Padded positions continue the row's (so the
+  padding looks like no new sample), capped at the model's last position when the row's real ones
+  stay below it (learned position tables);
+- the ``attention_mask`` is dropped: the layout holds the padding it marked.
+
+Nothing here reads tensor values on the host: cutting a batch costs no device synchronisation.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
 from hf_memo.minseq.lm_head import shifted_targets
 
@@ -43,38 +44,6 @@ class SequenceShard:
     padded_length: int
 
 
-def check_right_padding(attention_mask: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int) -> None:
-    """``attention_mask`` ``(B, S)`` may only mark right padding, and padded tokens must have no target.
-
-    Raises:
-        ValueError: for a mask that is not 2-D, has a masked token before a real one, or masks a token
-            whose target counts in the loss.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"sequence parallelism accepts a (batch, seq_len) attention_mask, got shape {tuple(attention_mask.shape)}"
-        )
-    real = attention_mask.bool()
-    if bool((real[:, 1:] & ~real[:, :-1]).any()):
-        raise ValueError(
-            "sequence parallelism supports right padding only (attention_mask ones, then zeros); this mask has a "
-            "masked token before a real one (left padding or packed sequences)"
-        )
-    if bool(((shift_labels != ignore_index) & ~real).any()):
-        raise ValueError(
-            "sequence parallelism: a padded token (attention_mask 0) has a target; label padding with the ignore index"
-        )
-
-
-def check_one_sequence_per_row(position_ids: torch.Tensor) -> None:
-    """``position_ids`` ``(B, S)`` must count up by one along each row (no packed sequences)."""
-    if bool((position_ids.diff(dim=-1) != 1).any()):
-        raise ValueError(
-            "sequence parallelism needs one sequence per row: position_ids must count up by one, but they restart "
-            "or jump (packed sequences are not supported)"
-        )
-
-
 def _pad_sequence(x: torch.Tensor, pad: int, value: float) -> torch.Tensor:
     """Pad dimension 1 of ``x`` by ``pad`` entries of ``value``."""
     widths = [0, 0] * (x.dim() - 2) + [0, pad]
@@ -85,9 +54,10 @@ def _pad_positions(position_ids: torch.Tensor, pad: int, max_positions: int | No
     """Continue each row of ``position_ids`` ``(B, S)`` for ``pad`` more tokens (capped, see the module docstring)."""
     if pad == 0:
         return position_ids
-    tail = position_ids[:, -1:] + torch.arange(1, pad + 1, device=position_ids.device)
-    if max_positions is not None and not is_fake(tail) and bool((position_ids < max_positions).all()):
-        tail = tail.clamp(max=max_positions - 1)
+    last = position_ids[:, -1:]
+    tail = last + torch.arange(1, pad + 1, device=position_ids.device)
+    if max_positions is not None:
+        tail = torch.where(last < max_positions, tail.clamp(max=max_positions - 1), tail)
     return torch.cat([position_ids, tail], dim=1)
 
 
@@ -114,23 +84,15 @@ def shard_batch(
     Returns:
         The :class:`SequenceShard`. Padded tokens get input id 0 (embedding zeros), continued
         position ids, and no target.
-
-    Raises:
-        ValueError: for packed ``position_ids`` or an ``attention_mask`` that is not right padding.
     """
     sequence = arguments["input_ids"] if arguments.get("input_ids") is not None else arguments["inputs_embeds"]
     batch, length = sequence.shape[:2]
     if shift_labels is None:
         shift_labels = shifted_targets(labels, ignore_index)
     shift_labels = shift_labels.to(sequence.device)
-    attention_mask = arguments.get("attention_mask")
-    if attention_mask is not None:
-        check_right_padding(attention_mask.to(sequence.device), shift_labels, ignore_index)
     position_ids = arguments.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(length, device=sequence.device).unsqueeze(0)
-    elif not is_fake(position_ids):
-        check_one_sequence_per_row(position_ids)
     local = {name: value for name, value in arguments.items() if name != "attention_mask"}
 
     pad = -length % sp_size

@@ -1,0 +1,70 @@
+"""The samples of a batch from its attention mask and positions, and the batches that are refused."""
+
+import pytest
+import torch
+
+from hf_memo.runtime.batch_layout import BatchLayout, describe_batch
+
+
+def test_a_batch_without_mask_or_positions_is_plain():
+    layout = describe_batch(2, 7)
+    assert layout.plain and layout.spans(2) == [(0, (0, 7)), (1, (0, 7))]
+    assert layout.attended_pairs(2) == 2 * 28 and layout.longest() == 7
+
+
+def test_counting_positions_and_an_all_ones_mask_are_plain():
+    layout = describe_batch(2, 5, torch.ones(2, 5), torch.arange(10, 15)[None])
+    assert layout.plain
+
+
+def test_restarting_or_jumping_positions_start_samples():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 7, 8, 9, 10]])
+    layout = describe_batch(2, 8, position_ids=positions)
+    assert layout.rows == (((0, 3), (3, 5), (5, 8)), ((0, 4), (4, 8)))
+    assert layout.packed and layout.longest() == 4 and layout.real_tokens(2) == 16
+    assert layout.attended_pairs(2) == 6 + 3 + 6 + 10 + 10
+
+
+def test_left_and_right_padding_leave_the_padding_out():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    layout = describe_batch(4, 5, mask)
+    assert layout.rows == (((2, 5),), ((0, 3),), ((0, 5),), ())
+    assert not layout.packed and layout.real_tokens(4) == 11
+
+
+def test_a_left_padding_token_may_have_a_target_but_not_a_right_padding_one():
+    mask = torch.tensor([[0, 1, 1, 0]])
+    describe_batch(1, 4, mask, shift_labels=torch.tensor([[5, 6, -100, -100]]))  # first token predicts a real one
+    with pytest.raises(ValueError, match="a padding token after real tokens .* has a target"):
+        describe_batch(1, 4, mask, shift_labels=torch.tensor([[-100, 6, 7, 8]]))
+
+
+@pytest.mark.parametrize(
+    "mask,positions,message",
+    [
+        ([[1, 0, 1, 1]], None, "masked tokens between real ones"),
+        ([[1, 1, 1, 0]], [[0, 1, 0, 1]], "padding .* and packed samples"),
+        ([[0, 1, 1, 1]], [[0, 0, 1, 0]], "padding .* and packed samples"),
+    ],
+)
+def test_batches_transformers_would_attend_across_are_refused(mask, positions, message):
+    positions = None if positions is None else torch.tensor(positions)
+    with pytest.raises(ValueError, match=message):
+        describe_batch(1, 4, torch.tensor(mask), positions)
+
+
+def test_positions_of_padding_may_jump():
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 3], [1, 1, 0, 1]])  # generate-style left padding positions
+    assert describe_batch(2, 4, mask, positions).rows == (((0, 4),), ((2, 4),))
+
+
+def test_a_4d_mask_is_refused():
+    with pytest.raises(ValueError, match=r"must be 2-D \(batch, seq_len\) padding, got shape \(1, 1, 4, 4\)"):
+        describe_batch(1, 4, torch.ones(1, 1, 4, 4))
+
+
+def test_padding_to_a_longer_row_keeps_the_samples():
+    layout = BatchLayout(5, (((0, 2), (2, 5)),))
+    assert layout.padded_to(8).rows == layout.rows and layout.padded_to(8).length == 8
+    assert BatchLayout(5).padded_to(8).plain

@@ -1,0 +1,41 @@
+"""The per-sample attention core against autograd through SDPA on each sample alone (fp64)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.batch_layout import BatchLayout
+from hf_memo.runtime.varlen_attention import VarlenAttention, attention_core_for
+
+ROWS = (((0, 3), (3, 8), (8, 9), (9, 13)), ((2, 11),))  # packed samples; a row with padding on both sides
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_each_sample_attends_only_to_itself_and_padding_gets_nothing(kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 13, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
+    grad_out = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
+    core = VarlenAttention(BatchLayout(13, ROWS))
+    out, stats = core.forward(q.detach(), k.detach(), v.detach(), 0.3)
+    dq, dk, dv = core.backward(grad_out.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, stats, 0.3)
+
+    want = torch.zeros_like(out)
+    for row, spans in enumerate(ROWS):
+        for start, stop in spans:
+            part = slice(row, row + 1), slice(None), slice(start, stop)
+            want[part] = F.scaled_dot_product_attention(
+                q[part], k[part], v[part], is_causal=True, scale=0.3, enable_gqa=kv_heads != 4
+            )
+    want.backward(grad_out)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    for got, expected in zip((dq, dk, dv), (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert (out[1, :, :2] == 0).all() and (dq[1, :, 11:] == 0).all() and (dk[1, :, :2] == 0).all()
+
+
+def test_plain_rows_use_the_whole_row_core():
+    assert isinstance(attention_core_for(None), LocalAttention)
+    assert isinstance(attention_core_for(BatchLayout(5)), LocalAttention)
+    assert isinstance(attention_core_for(BatchLayout(5, (((0, 5),),))), VarlenAttention)
