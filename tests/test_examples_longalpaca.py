@@ -102,18 +102,27 @@ def test_long_instructions_lose_their_middle_and_answers_that_do_not_fit_drop_th
     assert recipe.encode_record("Q?", " ".join(["word"] * 100), tokenizer, fmt, 50) is None
 
 
-def test_packing_makes_full_rows_in_order_and_every_row_has_answer_tokens(recipe, tokenizer):
+def test_packing_puts_whole_records_in_order_into_full_rows_with_restarting_positions(recipe, tokenizer):
     records = recipe.load_records(str(RECIPE / "sample.json"))
-    rows = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 2048, packing=True)
+    rows = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 4096, packing=True, pad_token_id=0)
     encoded = [
-        recipe.encode_record(r["instruction"], r["output"], tokenizer, recipe.prompt_format("llama2"), 2048)
+        recipe.encode_record(r["instruction"], r["output"], tokenizer, recipe.prompt_format("llama2"), 4096)
         for r in records
     ]
-    stream = [t for e in encoded for t in e["input_ids"]]
-    assert len(rows) == len(stream) // 2048
-    assert [t for row in rows["input_ids"] for t in row] == stream[: len(rows) * 2048]
-    assert all(len(row) == 2048 and any(label != -100 for label in row[1:]) for row in rows["labels"])
-    unpacked = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 2048, packing=False)
+    assert all(len(row) == 4096 for key in ("input_ids", "labels", "position_ids") for row in rows[key])
+    samples = []  # each row cut where its positions restart: the records in order, then one filler sample
+    for ids, labels, positions in zip(rows["input_ids"], rows["labels"], rows["position_ids"]):
+        starts = [t for t, p in enumerate(positions) if p == 0] + [4096]
+        row_samples = [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:])]
+        assert positions == [p for a, b in zip(starts, starts[1:]) for p in range(b - a)]
+        if set(row_samples[-1][0]) == {0}:
+            assert set(row_samples[-1][1]) == {-100}
+            row_samples.pop()
+        assert any(label != -100 for _, labels in row_samples for label in labels)
+        samples += row_samples
+    assert samples == [(e["input_ids"], e["labels"]) for e in encoded]
+    assert len(rows) < len(records)  # several records share a row
+    unpacked = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 4096, packing=False)
     assert len(unpacked) == len(records) and [len(r) for r in unpacked["input_ids"]] == [
         len(e["input_ids"]) for e in encoded
     ]
@@ -130,6 +139,8 @@ def test_collator_stacks_equal_rows_and_pads_unequal_ones_with_a_mask(recipe):
     collate = recipe.Collator(pad_token_id=0)
     batch = collate([{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7, 8], "labels": [7, 8]}])
     assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].tolist() == [[5, 6], [7, 8]]
+    packed = [{"input_ids": [5, 6], "labels": [-100, 6], "position_ids": [0, 0]}] * 2
+    assert collate(packed)["position_ids"].tolist() == [[0, 0], [0, 0]]
     batch = collate([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
@@ -215,10 +226,8 @@ def test_recipe_full_fine_tuning_llama3_one_record_per_row(recipe, tmp_path, cap
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
-def test_recipe_refuses_padding_under_memo_and_bad_choices(recipe, tmp_path, capsys):
+def test_recipe_refuses_bad_choices(recipe, tmp_path, capsys):
     base = ["--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER), "--use_cpu"]
-    assert recipe.main([*base, "--packing", "False", "--per_device_train_batch_size", "2"]) == 2
-    assert "--recompute memo refuses attention masks" in capsys.readouterr().err
     assert recipe.main([*base, "--prompt_format", "chatml"]) == 2
     assert "--prompt_format must be one of llama2, llama3, got 'chatml'" in capsys.readouterr().err
     assert recipe.main([*base, "--model_name_or_path", "some/model"]) == 2

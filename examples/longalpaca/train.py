@@ -11,11 +11,11 @@ kept as metadata only), from a local JSON/JSON-lines file or directory, or a dat
 Every record becomes ``prompt(instruction) + answer``; labels are -100 on the prompt. A record
 longer than ``--max_seq_len`` loses the middle of its instruction (its beginning, the task, and its
 end, the question, are kept); one whose answer alone does not fit is dropped. With ``--packing``
-(the default) the records are concatenated into rows of exactly ``--max_seq_len`` tokens, the
-positions running on through each row (no attention mask, no restart of position ids, so a record
-can attend to the one before it in its row, as in Hugging Face's ``group_texts``): fixed shapes, and
-what ``--recompute memo`` needs, since it refuses attention masks. Without packing every record is
-a row of its own length, padded per batch (with ``--recompute memo`` only at batch size 1).
+(the default) whole records are packed, in order, into rows of exactly ``--max_seq_len`` tokens
+without padding between them: ``position_ids`` restart at 0 with each record, so records never
+attend to each other (no attention mask), and the room a row has left becomes one filler sample
+without targets: fixed shapes in every recompute mode and under ``--sequence_parallel_size``.
+Without packing every record is a row of its own length, padded per batch with an attention mask.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ class RecipeArguments:
     prompt_format: str = field(default="llama2", metadata={"help": "llama2 ([INST] ... [/INST]) or llama3 (headers)"})
     system_prompt: str = field(default="", metadata={"help": "system prompt (none by default)"})
     max_seq_len: int = field(default=8192, metadata={"help": "tokens per row"})
-    packing: bool = field(default=True, metadata={"help": "concatenate records into full rows of max_seq_len"})
+    packing: bool = field(
+        default=True, metadata={"help": "pack whole records into rows of max_seq_len (position_ids restart)"}
+    )
     rope_type: str = field(default="linear", metadata={"help": "RoPE scaling: none, linear, dynamic or yarn"})
     rope_factor: float | None = field(
         default=None, metadata={"help": "RoPE scaling factor (default: max_seq_len / the model's context, if > 1)"}
@@ -187,18 +189,45 @@ def encode_record(
     return {"input_ids": prompt + answer, "labels": [IGNORE] * len(prompt) + answer}
 
 
-def pack_rows(encoded: dict[str, list[list[int]]], seq_len: int) -> dict[str, list[list[int]]]:
-    """Concatenate encoded records and cut rows of exactly ``seq_len`` tokens (the remainder is dropped)."""
-    ids = [token for row in encoded["input_ids"] for token in row]
-    labels = [label for row in encoded["labels"] for label in row]
-    starts = range(0, len(ids) - seq_len + 1, seq_len)
-    return {"input_ids": [ids[s : s + seq_len] for s in starts], "labels": [labels[s : s + seq_len] for s in starts]}
+def pack_rows(encoded: dict[str, list[list[int]]], seq_len: int, pad_token_id: int) -> dict[str, list[list[int]]]:
+    """Whole records, in order, into rows of exactly ``seq_len`` tokens with ``position_ids`` restarting per record.
+
+    A record that does not fit in the room its row has left starts the next row; that room becomes a
+    filler sample (``pad_token_id``, positions from 0, labels -100). Every record fits a row (at most
+    ``seq_len`` tokens, see :func:`encode_record`).
+    """
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "position_ids": []}
+    row: dict[str, list[int]] = {key: [] for key in rows}
+
+    def close() -> None:
+        room = seq_len - len(row["input_ids"])
+        row["input_ids"] += [pad_token_id] * room
+        row["labels"] += [IGNORE] * room
+        row["position_ids"] += list(range(room))
+        for key in rows:
+            rows[key].append(row[key])
+            row[key] = []
+
+    for ids, labels in zip(encoded["input_ids"], encoded["labels"]):
+        if len(row["input_ids"]) + len(ids) > seq_len:
+            close()
+        row["input_ids"] += ids
+        row["labels"] += labels
+        row["position_ids"] += list(range(len(ids)))
+    if row["input_ids"]:
+        close()
+    return rows
 
 
 def training_rows(
-    records: Dataset, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat, max_seq_len: int, packing: bool
+    records: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    fmt: PromptFormat,
+    max_seq_len: int,
+    packing: bool,
+    pad_token_id: int = 0,
 ) -> Dataset:
-    """Rows of ``input_ids`` and ``labels``: packed to ``max_seq_len``, or one record per row."""
+    """Rows of ``input_ids`` and ``labels``: packed (``position_ids`` too, see :func:`pack_rows`) or one record each."""
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         encoded = [
@@ -211,7 +240,9 @@ def training_rows(
     if len(rows) < len(records):
         print(f"dropped {len(records) - len(rows)} records whose answer alone exceeds --max_seq_len {max_seq_len}")
     if packing:
-        rows = rows.map(lambda batch: pack_rows(batch, max_seq_len), batched=True, batch_size=None, desc="packing")
+        rows = rows.map(
+            lambda batch: pack_rows(batch, max_seq_len, pad_token_id), batched=True, batch_size=None, desc="packing"
+        )
     if len(rows) == 0:
         raise ValueError(f"no training rows of {max_seq_len} tokens: lower --max_seq_len or add data")
     return rows
@@ -219,14 +250,15 @@ def training_rows(
 
 @dataclass(frozen=True)
 class Collator:
-    """Stacks rows into ``(B, S)`` tensors; rows of different lengths are padded (and get an attention mask)."""
+    """Stacks rows into ``(B, S)`` tensors (``position_ids`` too, for packed rows); rows of different lengths
+    are padded (and get an attention mask)."""
 
     pad_token_id: int
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         longest = max(len(row["input_ids"]) for row in rows)
         if all(len(row["input_ids"]) == longest for row in rows):
-            return {key: torch.tensor([row[key] for row in rows]) for key in ("input_ids", "labels")}
+            return {key: torch.tensor([row[key] for row in rows]) for key in rows[0] if key in _STACKED}
         batch = {"input_ids": [], "labels": [], "attention_mask": []}
         for row in rows:
             pad = longest - len(row["input_ids"])
@@ -234,6 +266,9 @@ class Collator:
             batch["labels"].append(list(row["labels"]) + [IGNORE] * pad)
             batch["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
         return {key: torch.tensor(value) for key, value in batch.items()}
+
+
+_STACKED = ("input_ids", "labels", "position_ids")
 
 
 # -- model -----------------------------------------------------------------------------------------------------
@@ -305,18 +340,14 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
     config = memo_config(recipe)
     if recipe.max_seq_len < 2:
         raise ValueError(f"--max_seq_len must be >= 2, got {recipe.max_seq_len}")
-    if config.recompute == "memo" and not recipe.packing and training.per_device_train_batch_size > 1:
-        raise ValueError(
-            "--recompute memo refuses attention masks, which padding rows of different lengths needs: "
-            "use --packing (the default) or --per_device_train_batch_size 1"
-        )
     fmt = prompt_format(recipe.prompt_format, recipe.system_prompt)
     tokenizer = AutoTokenizer.from_pretrained(recipe.tokenizer or recipe.model_name_or_path or recipe.model_config)
     records = load_records(recipe.data, recipe.data_split)
     if recipe.max_samples is not None:
         records = records.select(range(min(recipe.max_samples, len(records))))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with training.main_process_first(desc="tokenizing"):
-        rows = training_rows(records, tokenizer, fmt, recipe.max_seq_len, recipe.packing)
+        rows = training_rows(records, tokenizer, fmt, recipe.max_seq_len, recipe.packing, pad)
     model = load_model(recipe)
     if len(tokenizer) > model.config.get_text_config().vocab_size:
         raise ValueError(
@@ -325,7 +356,6 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
     if recipe.lora:
         model = add_lora(model, recipe)
     hf_memo.apply(model, config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     peak = None if recipe.peak_tflops is None else recipe.peak_tflops * 1e12
     trainer = Trainer(
         model=model,
