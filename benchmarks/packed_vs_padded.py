@@ -121,7 +121,8 @@ def main() -> None:
         print(name, row, flush=True)
     (out / "packed_vs_padded.json").write_text(json.dumps(results, indent=2))
     lines = [
-        f"Packed vs padded: {len(lengths)} samples, {total:,} tokens, longest {longest:,} ({date}, {results['machine']})",
+        f"Packed vs padded: {len(lengths)} samples, {total:,} tokens, longest {longest:,} "
+        f"({date}, {results['machine']})",
         "",
         "| mode | peak packed (GiB) | peak padded (GiB) | CPU step packed (s) | CPU step padded (s) |",
         "|---|---|---|---|---|",
