@@ -96,6 +96,9 @@ def two_rank_cases() -> dict[str, Case]:
         "packed, borders on and inside shards": _packed_case("llama", [(5, 3, 6, 2), (1, 9, 6)]),
         "packed, S padded, gpt2": _packed_case("gpt2", [(4, 7, 4)]),
         "left padding": _left_padded_case(),
+        "packed, selective recompute (attention recomputed in backward)": _packed_case(
+            "qwen3", [(6, 3, 3), (2, 10)], memo={"recompute": "selective"}
+        ),
         "memo executor, packed, S padded": _packed_case(
             "qwen2", [(5, 3, 7), (8, 7)], memo=MEMO, num_hidden_layers=4, num_key_value_heads=1
         ),

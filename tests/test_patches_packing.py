@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import hf_memo
-from tests.conftest import VOCAB, assert_same_grads, build_model
+from tests.conftest import VOCAB, ShapeRecorder, assert_same_grads, build_model
+from tests.test_patches_forwards_layers import OpCounter
 
 MODES = [
     ("none", None),
@@ -145,5 +146,28 @@ def test_memo_sliding_window_is_checked_against_the_longest_sample():
     samples, labels, ids, packed_labels, positions, num_items = packed_row()  # 24 tokens, samples of at most 9
     got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions)
     want = _step(reference, input_ids=ids, labels=packed_labels, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_per_sample_attention_runs_one_kernel_call_per_sample_and_layer_and_builds_no_mask():
+    model = _apply(build_model("llama", num_hidden_layers=3), "none", None)
+    _, _, ids, packed_labels, positions, _ = packed_row()
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with OpCounter(flash) as counter, ShapeRecorder() as shapes:
+        model(input_ids=ids, labels=packed_labels, position_ids=positions)
+    assert counter.counts[flash] == 3 * len(LENGTHS)
+    assert all(shape[-2:] != (ids.shape[1], ids.shape[1]) for shape in shapes.shapes)  # no S x S mask
+
+
+def test_eager_attention_keeps_transformers_masks_for_packed_and_padded_batches():
+    reference = build_model("gpt2", attn_implementation="eager")
+    model = _apply(copy.deepcopy(reference), "full", None)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items)
+    want = sum(
+        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
+        for sample, label in zip(samples, labels)
+    )
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)

@@ -21,7 +21,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_memo.parallel.collectives import all_to_all_differentiable
 from hf_memo.parallel.groups import sequence_parallel_groups
 from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
-from hf_memo.runtime.batch_layout import BatchLayout, current_layout
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, BatchLayout
+from hf_memo.runtime.varlen_attention import attend_per_sample
 
 WRAPPABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
@@ -54,7 +55,7 @@ class AttentionConfigView:
         return getattr(self._config, name)
 
 
-class _InnerModuleView:
+class InnerModuleView:
     """An attention module as the wrapped implementation must see it: its config names that implementation
     and, after the exchange, ``num_key_value_groups`` counts this rank's query heads per KV head (KV
     replication changes it). Everything else is the module's own."""
@@ -88,7 +89,8 @@ def ulysses_attention(
         module: the attention layer (its ``is_causal``, ``layer_idx``, config, ...).
         query: ``(B, h, S / sp, D)``; key, value: ``(B, kv, S / sp, D)`` for this rank's tokens.
         attention_mask: ignored in training: after the exchange the rows attend per sample of the
-            step's :class:`~hf_memo.runtime.batch_layout.BatchLayout` (padding left out).
+            step's :class:`~hf_memo.runtime.batch_layout.BatchLayout` (in ``kwargs`` under
+            ``LAYOUT_KEYWORD``; padding left out).
         inner: the wrapped implementation (``"sdpa"`` or a flash-attention one).
         sp_size: the sequence-parallel degree.
         **kwargs: passed to the wrapped implementation (dropout, scaling, sliding_window, ...).
@@ -98,8 +100,9 @@ def ulysses_attention(
         Outside training the wrapped implementation runs unsplit.
     """
     attend = ALL_ATTENTION_FUNCTIONS[inner]
+    layout = kwargs.pop(LAYOUT_KEYWORD, None)
     if not module.training:
-        return attend(_InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
+        return attend(InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     if inner == "sdpa" and window is not None and query.shape[2] * sp_size > window:
         raise ValueError(
@@ -111,33 +114,11 @@ def ulysses_attention(
     query = scatter_heads_gather_sequence_differentiable(query, group)
     key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
     value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)
-    view = _InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
-    output = _attend_samples(attend, view, query, key, value, current_layout(), kwargs)  # (B, S, h / sp, D)
+    view = InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
+    if layout is None:
+        layout = BatchLayout(query.shape[2])
+    output = attend_per_sample(attend, view, query, key, value, layout, kwargs)  # (B, S, h / sp, D)
     return all_to_all_differentiable(output, group, scatter_dim=1, gather_dim=2), None
-
-
-def _attend_samples(
-    attend: Any,
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    layout: BatchLayout | None,
-    kwargs: dict,
-) -> torch.Tensor:
-    """``attend`` over whole rows ``(B, h, S, D)``: causal per row, or per sample of ``layout`` (zeros on padding).
-
-    Returns ``(B, S, h, D)``. Each sample is its own causal call, so padding costs nothing and no
-    ``S x S`` mask is built.
-    """
-    if layout is None or layout.plain:
-        return attend(module, query, key, value, None, **kwargs)[0]
-    batch, heads, length, _ = query.shape
-    output = query.new_zeros(batch, length, heads, value.shape[-1])
-    for row, (start, stop) in layout.spans(batch):
-        part = slice(row, row + 1), slice(None), slice(start, stop)
-        output[row : row + 1, start:stop] = attend(module, query[part], key[part], value[part], None, **kwargs)[0]
-    return output
 
 
 def ulysses_attention_name(inner: str, sp_size: int) -> str:

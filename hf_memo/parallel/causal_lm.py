@@ -26,7 +26,7 @@ from hf_memo.parallel.attention import AttentionConfigView, check_wrappable, reg
 from hf_memo.parallel.collectives import all_gather_tensor, sum_over_group
 from hf_memo.parallel.groups import SequenceParallelGroups, check_head_counts, sequence_parallel_groups
 from hf_memo.parallel.sharding import batch_fingerprint, shard_batch
-from hf_memo.runtime.batch_layout import BatchLayout
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 
 
 def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
@@ -105,28 +105,28 @@ class SequenceParallelLM:
             )
         return inner(*args, **kwargs)
 
-    def shard(
-        self, arguments: dict, extra: dict, labels: torch.Tensor | None, layout: BatchLayout | None
-    ) -> tuple[dict, dict[str, Any], BatchLayout]:
-        """This rank's shard of the batch, as (model arguments, loss keyword arguments, the step's layout).
+    def shard(self, arguments: dict, extra: dict, labels: torch.Tensor | None) -> tuple[dict, dict[str, Any]]:
+        """This rank's shard of the batch, as (model arguments, loss keyword arguments).
 
         Args:
-            arguments: the model's named arguments (full ``(B, S)`` sequence, equal on the whole group).
+            arguments: the model's named arguments (full ``(B, S)`` sequence, equal on the whole group),
+                with the samples of the whole rows under ``LAYOUT_KEYWORD`` (absent for a 4-D
+                ``attention_mask``: refused).
             extra: its ``**kwargs`` (``shift_labels``, ``num_items_in_batch``, ``ignore_index``, ...).
             labels: the ``(B, S)`` labels.
-            layout: the samples of the whole rows (``None`` for a 4-D ``attention_mask``: refused).
 
         Returns:
             The arguments for the backbone (``(B, S_pad / sp)`` tokens, the batch's ``position_ids``,
-            an empty 4-D attention mask so transformers builds none, no cache), ``extra`` with
+            an empty 4-D attention mask so transformers builds none, no cache, and the layout over
+            the ``S_pad`` tokens every rank attends over after the exchange), and ``extra`` with
             ``shift_labels`` ``(B, S_pad / sp)`` and ``num_items_in_batch`` set (the Trainer's value,
-            else the whole batch's target count), and ``layout`` over the ``S_pad`` tokens every rank
-            attends over after the exchange.
+            else the whole batch's target count).
 
         Raises:
             ValueError: no suitable process group, a 4-D attention mask, or ranks of the group hold
                 different batches.
         """
+        layout = arguments.get(LAYOUT_KEYWORD)
         if layout is None:
             raise ValueError(
                 "sequence parallelism takes a (batch, seq_len) attention_mask or packed position_ids, got a 4-D "
@@ -138,7 +138,7 @@ class SequenceParallelLM:
         if shift_labels is None:
             shift_labels = shifted_targets(labels, ignore_index)
         self._check_same_batch(arguments, shift_labels, groups)
-        arguments = {name: value for name, value in arguments.items() if name != "attention_mask"}
+        arguments = {name: value for name, value in arguments.items() if name not in ("attention_mask", LAYOUT_KEYWORD)}
         shard = shard_batch(
             arguments, labels, shift_labels, groups.sp_rank, self.size, ignore_index, self.max_positions
         )
@@ -146,14 +146,19 @@ class SequenceParallelLM:
         # The shard's attention is the layout's, applied after the exchange; an empty 4-D mask is
         # taken as given by transformers, which then builds no mask of its own for the shard.
         placeholder = torch.ones(batch, 1, 0, 0, dtype=torch.bool, device=shard.shift_labels.device)
-        local = {**shard.arguments, "attention_mask": placeholder, "use_cache": False}
+        local = {
+            **shard.arguments,
+            "attention_mask": placeholder,
+            "use_cache": False,
+            LAYOUT_KEYWORD: layout.padded_to(shard.padded_length),
+        }
         num_items = extra.get("num_items_in_batch")
         loss_kwargs = {
             **extra,
             "shift_labels": shard.shift_labels,
             "num_items_in_batch": shard.target_tokens if num_items is None else num_items,
         }
-        return local, loss_kwargs, layout.padded_to(shard.padded_length)
+        return local, loss_kwargs
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The whole batch's loss from this shard's part (summed over the group, differentiable)."""

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from hf_memo.minseq.lm_head import shifted_targets
-from hf_memo.runtime.batch_layout import BatchLayout, describe_batch
+from hf_memo.patches.sample_attention import attends_per_sample
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, describe_batch
 
 # Attention implementations that see packed samples: through the mask transformers builds from
 # position_ids (eager, sdpa, flex) or through position_ids themselves (flash-attention).
 PACKING_AWARE = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def describe_training_batch(
-    model: PreTrainedModel, arguments: dict, labels: Any, extra: dict
-) -> tuple[dict, BatchLayout | None]:
-    """``(arguments, layout)`` for a training step of ``model``.
+def describe_training_batch(model: PreTrainedModel, arguments: dict, labels: Any, extra: dict) -> dict:
+    """The arguments of a training step of ``model``, with the batch's layout under ``LAYOUT_KEYWORD``.
 
     Args:
         model: the causal LM.
@@ -34,8 +34,10 @@ def describe_training_batch(
         extra: the forward's ``**kwargs`` (``shift_labels``, ``ignore_index``).
 
     Returns:
-        The arguments (without an ``attention_mask`` that marks no padding) and the batch's layout;
-        ``None`` for a 4-D ``attention_mask``, which transformers applies as given.
+        The arguments with the layout added (none for a 4-D ``attention_mask``, which transformers
+        applies as given) and without an ``attention_mask`` that marks no padding. When the model
+        attends per sample (:mod:`.sample_attention`) and the layout is not plain, the mask is an
+        empty 4-D one: transformers takes it as given and builds none.
 
     Raises:
         ValueError: see :func:`describe_batch`; also packed samples with an attention implementation
@@ -43,7 +45,7 @@ def describe_training_batch(
     """
     mask = arguments.get("attention_mask")
     if mask is not None and mask.dim() != 2:
-        return arguments, None
+        return arguments
     sequence = arguments["input_ids"] if arguments.get("input_ids") is not None else arguments["inputs_embeds"]
     batch, length = sequence.shape[:2]
     ignore_index = extra.get("ignore_index", -100)
@@ -51,12 +53,15 @@ def describe_training_batch(
     if shift_labels is None:
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
-    if mask is not None and layout.real_tokens(batch) == batch * length:
-        arguments = {name: value for name, value in arguments.items() if name != "attention_mask"}
     implementation = model.config._attn_implementation
     if layout.packed and implementation not in PACKING_AWARE:
         raise ValueError(
             f"this batch packs several samples per row (position_ids restart), which attn_implementation="
             f"{implementation!r} ignores (samples would attend to each other); use one of {', '.join(PACKING_AWARE)}"
         )
-    return arguments, layout
+    arguments = {name: value for name, value in arguments.items() if name != "attention_mask"}
+    if attends_per_sample(model) and not layout.plain:
+        arguments["attention_mask"] = torch.ones(batch, 1, 0, 0, dtype=torch.bool, device=sequence.device)
+    elif mask is not None and layout.real_tokens(batch) < batch * length:
+        arguments["attention_mask"] = mask
+    return {**arguments, LAYOUT_KEYWORD: layout}

@@ -21,6 +21,7 @@ from hf_memo.patches.forwards import (
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.planning import plan_training_step
+from hf_memo.patches.sample_attention import install_sample_attention
 from hf_memo.runtime.memo import MemoRuntime
 
 _STATE_ATTR = "_hf_memo_patch"
@@ -58,6 +59,8 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
         takeover.log()
     record = PatchRecord()
     sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
+    if sequence_parallel is None:  # (Ulysses attends per sample itself)
+        install_sample_attention(model, record)
     layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
     runtime = None
     if config.recompute == "memo":

@@ -10,14 +10,12 @@ keys are all masked) and are attended by nothing.
 
 :func:`describe_batch` derives it once per training step, reading the mask, the positions and the
 targets to the host in one transfer (none at all for a batch with neither mask nor positions), and
-refuses what transformers' own attention would get wrong or what a layout cannot express.
+refuses what transformers' own attention would get wrong or what a layout cannot express. The
+layout then travels to the attention calls under :data:`LAYOUT_KEYWORD`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -77,22 +75,9 @@ class BatchLayout:
         return BatchLayout(length, self.rows)
 
 
-_current: ContextVar[BatchLayout | None] = ContextVar("hf_memo_batch_layout", default=None)
-
-
-def current_layout() -> BatchLayout | None:
-    """The layout of the training step running now (set by :func:`layout_in_step`), or ``None``."""
-    return _current.get()
-
-
-@contextmanager
-def layout_in_step(layout: BatchLayout) -> Iterator[None]:
-    """Make ``layout`` the :func:`current_layout` while the step's forward runs."""
-    token = _current.set(layout)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+LAYOUT_KEYWORD = "hf_memo_layout"
+"""The keyword a training step's layout travels under, from the causal LM's forward through the backbone and its
+decoder layers (transformers passes their ``**kwargs`` on) to every attention call, recomputations included."""
 
 
 def describe_batch(

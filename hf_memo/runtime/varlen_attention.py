@@ -13,6 +13,9 @@ Measured on CPU (fp32, one thread, 8 heads of 64, a 4096-token row, forward + ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention, attention_backward, attention_forward
@@ -82,3 +85,32 @@ def _sequence_major_zeros(q: torch.Tensor, head_dim: int, dtype: torch.dtype) ->
 def attention_core_for(layout: BatchLayout | None) -> LocalAttention | VarlenAttention:
     """The core for a step's rows: whole-row causal attention when each row is one sample, else per sample."""
     return LocalAttention() if layout is None or layout.plain else VarlenAttention(layout)
+
+
+def attend_per_sample(
+    attend: Callable[..., tuple[torch.Tensor, Any]],
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: BatchLayout,
+    kwargs: dict,
+) -> torch.Tensor:
+    """A transformers attention function, causal without a mask, run once per sample of ``layout`` (with autograd).
+
+    Args:
+        attend: e.g. ``ALL_ATTENTION_FUNCTIONS["sdpa"]``: ``attend(module, q, k, v, None, **kwargs)[0]``.
+        query: ``(B, h, S, D)``; key, value: ``(B, h_kv, S, D)`` (whole rows).
+        kwargs: passed on (scaling, dropout, ...).
+
+    Returns:
+        ``(B, S, h, D)``, zeros on padding: no ``S x S`` mask is built and padding costs nothing.
+    """
+    if layout.plain:
+        return attend(module, query, key, value, None, **kwargs)[0]
+    batch, heads, length, _ = query.shape
+    output = query.new_zeros(batch, length, heads, value.shape[-1])
+    for row, (start, stop) in layout.spans(batch):
+        part = slice(row, row + 1), slice(None), slice(start, stop)
+        output[row : row + 1, start:stop] = attend(module, query[part], key[part], value[part], None, **kwargs)[0]
+    return output

@@ -1,0 +1,90 @@
+"""Per-sample attention in training steps: an attention implementation wrapping the model's own (``sdpa``, flash).
+
+:func:`install_sample_attention` points every attention layer at it (through an
+:class:`~hf_memo.parallel.attention.AttentionConfigView`, so the model's config stays as it is). In a
+training step the causal LM's forward hands the step's
+:class:`~hf_memo.runtime.batch_layout.BatchLayout` down under ``LAYOUT_KEYWORD``, and each sample is
+one causal call of the wrapped implementation: samples never attend to each other, padding costs
+nothing, and transformers needs to build no ``S x S`` mask. Recomputations (``recompute="full"``,
+``"selective"``, Hugging Face checkpointing) get the layout again with the layer's arguments. Any
+other call runs the wrapped implementation with transformers' own mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hf_memo.parallel.attention import WRAPPABLE, AttentionConfigView, InnerModuleView
+from hf_memo.parallel.causal_lm import attention_modules
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
+from hf_memo.runtime.varlen_attention import attend_per_sample
+
+_INSTALLED = "_hf_memo_sample_attention"
+
+
+def sample_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    inner: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``inner`` per sample of the step's layout (``(B, h, S, D)`` q, ``(B, h_kv, S, D)`` k/v -> ``(B, S, h, D)``).
+
+    Without a layout in ``kwargs`` (evaluation, generation, calls without labels) ``inner`` runs
+    with ``attention_mask`` as transformers built it.
+
+    Raises:
+        ValueError: ``sdpa`` with a sliding window shorter than the longest sample (it needs a mask).
+    """
+    attend = ALL_ATTENTION_FUNCTIONS[inner]
+    layout = kwargs.pop(LAYOUT_KEYWORD, None)
+    view = InnerModuleView(module, inner)
+    if layout is None:
+        return attend(view, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if inner == "sdpa" and window is not None and layout.longest() > window:
+        raise ValueError(
+            f"sliding-window attention (window {window}) over samples of up to {layout.longest()} tokens needs a "
+            "mask, which per-sample sdpa does not build: use attn_implementation='flash_attention_2' or shorter samples"
+        )
+    kwargs.pop("position_ids", None)  # the row's; each call sees one whole sample
+    return attend_per_sample(attend, view, query, key, value, layout, kwargs), None
+
+
+@functools.cache
+def register_sample_attention(inner: str) -> str:
+    """Register :func:`sample_attention` wrapping ``inner`` (once); return its ``AttentionInterface`` key."""
+    name = f"hf_memo_samples_{inner.replace('flash_attention_', 'fa')}"
+    AttentionInterface.register(name, functools.partial(sample_attention, inner=inner))
+    return name
+
+
+def install_sample_attention(model: PreTrainedModel, record: Any) -> None:
+    """Point ``model``'s attention layers at :func:`sample_attention` when its implementation can be wrapped.
+
+    ``record`` (a :class:`~hf_memo.patches.installed.PatchRecord`) keeps what to restore. Other
+    implementations (``eager``, ``flex_attention``) keep transformers' masks, which handle padded and
+    packed batches too (at ``S x S`` cost).
+    """
+    inner = model.config._attn_implementation
+    if inner not in WRAPPABLE:
+        return
+    name = register_sample_attention(inner)
+    for layer in attention_modules(model):
+        record.set(layer, "config", AttentionConfigView(model.config, name))
+    record.set(model, _INSTALLED, True)
+
+
+def attends_per_sample(model: PreTrainedModel) -> bool:
+    """Whether :func:`install_sample_attention` wrapped ``model``'s attention."""
+    return bool(model.__dict__.get(_INSTALLED, False))
