@@ -5,8 +5,9 @@ The same samples of mixed lengths (32K tokens in all) are trained on as one padd
 sample (``attention_mask``). Peak memory is profiled under ``FakeTensorMode`` with PyTorch's
 ``MemTracker`` for Llama-3-8B layer shapes (bf16, 4 layers); a fake profile has no token values, so it
 measures the shapes, ``(1, S)`` against ``(samples, longest)`` (the attention pattern does not change
-the memory of flash attention). CPU step time is that of real fp32 steps on a small Llama. Attention
-work counts the (query, key) pairs each layout computes.
+the memory of flash attention; the ``S x S`` mask unpatched transformers builds for a packed row is
+reported beside). CPU step time is that of real fp32 steps on a small Llama. Attention work counts
+the (query, key) pairs each layout computes.
 
     python benchmarks/packed_vs_padded.py                    # full run, writes benchmarks/results/<date>-cpu/
     python benchmarks/packed_vs_padded.py --tiny --out /tmp/x   # seconds-long smoke run
@@ -34,6 +35,7 @@ from common import add_out_option, results_folder, tiny_llama
 
 GiB = 2**30
 MODES = {
+    "transformers (unpatched)": None,
     "none": {"recompute": "none"},
     "full": {"recompute": "full"},
     "selective": {"recompute": "selective"},
@@ -68,10 +70,12 @@ def _spans(lengths: list[int]) -> list[tuple[int, int]]:
     return [(start, start + n) for start, n in zip(starts, lengths)]
 
 
-def fake_peak(config: LlamaConfig, mode: dict, batch: int, seq_len: int) -> int:
+def fake_peak(config: LlamaConfig, mode: dict | None, batch: int, seq_len: int) -> int:
+    """Peak bytes of one step on ``(batch, seq_len)`` tokens (``mode`` ``None``: the unpatched model)."""
     model, session = fake_causal_lm(config, torch.bfloat16)
     with session:
-        hf_memo.apply(model, **mode)
+        if mode is not None:
+            hf_memo.apply(model, **mode)
         return training_step_peak(model, batch, seq_len).total
 
 
@@ -88,11 +92,15 @@ def padded_batch(lengths: list[int], vocab: int) -> dict:
     return {"input_ids": ids * mask, "labels": ids.masked_fill(mask == 0, -100), "attention_mask": mask}
 
 
-def step_seconds(config: LlamaConfig, mode: dict, batch: dict) -> float:
+def step_seconds(config: LlamaConfig, mode: dict | None, batch: dict) -> float:
+    """Seconds of one fp32 training step (``mode`` ``None``: the unpatched model, without a cache so that it
+    keeps packed samples apart, through its ``S x S`` mask)."""
     torch.manual_seed(0)
-    model = hf_memo.apply(LlamaForCausalLM(config).train(), **mode)
+    model = LlamaForCausalLM(config).train()
+    if mode is not None:
+        hf_memo.apply(model, **mode)
     start = time.perf_counter()
-    model(**batch).loss.backward()
+    model(**batch, use_cache=False).loss.backward()
     return time.perf_counter() - start
 
 
@@ -132,7 +140,11 @@ def main() -> None:
             f"| {name} | {row['packed_peak_gib']:.2f} | {row['padded_peak_gib']:.2f} | "
             f"{row['packed_step_s']:.2f} | {row['padded_step_s']:.2f} |"
         )
+    mask_gib = total * total / GiB
     lines += [
+        "",
+        f"Fake peaks measure the shapes only: for the packed row, unpatched transformers also builds an S x S "
+        f"boolean mask ({mask_gib:.2f} GiB at S = {total:,}), which hf_memo does not.",
         "",
         f"Attention (query, key) pairs: per sample {pairs['per_sample']:,}; one causal row without boundaries "
         f"{pairs['whole_row_causal']:,} ({pairs['whole_row_causal'] / pairs['per_sample']:.1f}x); padded rows "

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.batch_layout import BatchLayout
-from hf_memo.runtime.varlen_attention import VarlenAttention, attention_core_for
+from hf_memo.runtime.varlen_attention import ROW_KEYWORDS, VarlenAttention, attend_per_sample, attention_core_for
 
 ROWS = (((0, 3), (3, 8), (8, 9), (9, 13)), ((2, 11),))  # packed samples; a row with padding on both sides
 
@@ -39,3 +39,18 @@ def test_plain_rows_use_the_whole_row_core():
     assert isinstance(attention_core_for(None), LocalAttention)
     assert isinstance(attention_core_for(BatchLayout(5)), LocalAttention)
     assert isinstance(attention_core_for(BatchLayout(5, (((0, 5),),))), VarlenAttention)
+
+
+def test_attention_functions_get_one_sample_each_and_no_row_descriptions():
+    calls = []
+
+    def attend(module, q, k, v, mask, **kwargs):
+        calls.append((q.shape[2], mask, sorted(kwargs)))
+        return q.transpose(1, 2) * 2, None
+
+    q = torch.randn(2, 4, 13, 8)
+    row_kwargs = {name: object() for name in ROW_KEYWORDS}
+    out = attend_per_sample(attend, None, q, q[:, :2], q[:, :2], BatchLayout(13, ROWS), {"scaling": 0.5, **row_kwargs})
+    assert calls == [(n, None, ["scaling"]) for n in (3, 5, 1, 4, 9)]
+    torch.testing.assert_close(out[0], q[0].transpose(0, 1) * 2)
+    assert (out[1, :2] == 0).all() and (out[1, 11:] == 0).all()

@@ -109,7 +109,6 @@ def ulysses_attention(
             f"sliding-window attention (window {window}) over {query.shape[2] * sp_size} tokens needs a mask, which "
             "sequence-parallel sdpa cannot build: use attn_implementation='flash_attention_2' or shorter sequences"
         )
-    kwargs.pop("position_ids", None)  # this rank's positions; after the exchange the rows are whole
     group = sequence_parallel_groups(sp_size).group
     query = scatter_heads_gather_sequence_differentiable(query, group)
     key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)

@@ -57,7 +57,6 @@ def sample_attention(
             f"sliding-window attention (window {window}) over samples of up to {layout.longest()} tokens needs a "
             "mask, which per-sample sdpa does not build: use attn_implementation='flash_attention_2' or shorter samples"
         )
-    kwargs.pop("position_ids", None)  # the row's; each call sees one whole sample
     return attend_per_sample(attend, view, query, key, value, layout, kwargs), None
 
 

@@ -87,6 +87,11 @@ def attention_core_for(layout: BatchLayout | None) -> LocalAttention | VarlenAtt
     return LocalAttention() if layout is None or layout.plain else VarlenAttention(layout)
 
 
+# What transformers' attention functions read about the samples of a whole row (flash-attention's varlen
+# arguments, as DataCollatorWithFlattening can write them): meaningless for a call on one sample.
+ROW_KEYWORDS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def attend_per_sample(
     attend: Callable[..., tuple[torch.Tensor, Any]],
     module: Any,
@@ -101,11 +106,12 @@ def attend_per_sample(
     Args:
         attend: e.g. ``ALL_ATTENTION_FUNCTIONS["sdpa"]``: ``attend(module, q, k, v, None, **kwargs)[0]``.
         query: ``(B, h, S, D)``; key, value: ``(B, h_kv, S, D)`` (whole rows).
-        kwargs: passed on (scaling, dropout, ...).
+        kwargs: passed on (scaling, dropout, ...), except :data:`ROW_KEYWORDS`.
 
     Returns:
         ``(B, S, h, D)``, zeros on padding: no ``S x S`` mask is built and padding costs nothing.
     """
+    kwargs = {name: value for name, value in kwargs.items() if name not in ROW_KEYWORDS}
     if layout.plain:
         return attend(module, query, key, value, None, **kwargs)[0]
     batch, heads, length, _ = query.shape
