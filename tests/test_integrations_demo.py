@@ -42,7 +42,7 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert "missing.json does not exist (the sample ships in examples/longalpaca/" in capsys.readouterr().err
 
 
-def test_demo_rows_are_the_recipes_packed_llama2_rows():
+def test_demo_rows_are_the_recipes_llama2_records_concatenated():
     spec = importlib.util.spec_from_file_location("longalpaca_train", SAMPLE_DIR / "train.py")
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe
@@ -50,10 +50,11 @@ def test_demo_rows_are_the_recipes_packed_llama2_rows():
     tokenizer = AutoTokenizer.from_pretrained(SAMPLE_DIR / "sample_tokenizer")
     records = json.loads((SAMPLE_DIR / "sample.json").read_text())
     input_ids, labels = packed_rows(records, tokenizer, 2048)
-    rows = recipe.training_rows(
-        recipe.load_records(str(SAMPLE_DIR / "sample.json")), tokenizer, recipe.prompt_format("llama2"), 2048, True
-    )
-    assert input_ids.tolist() == rows["input_ids"] and labels.tolist() == rows["labels"]
+    fmt = recipe.prompt_format("llama2")
+    encoded = [recipe.encode_record(r["instruction"], r["output"], tokenizer, fmt, 10**6) for r in records]
+    stream = {key: [t for e in encoded for t in e[key]] for key in ("input_ids", "labels")}
+    assert input_ids.flatten().tolist() == stream["input_ids"][: input_ids.numel()]
+    assert labels.flatten().tolist() == stream["labels"][: labels.numel()]
     assert len(input_ids) >= 20  # the demo's 20 steps at 2,048 tokens see every row once
     assert ((labels[:, 1:] != -100).sum(1) > 0).all()
 
