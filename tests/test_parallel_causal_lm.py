@@ -96,6 +96,15 @@ def two_rank_cases() -> dict[str, Case]:
         "packed, borders on and inside shards": _packed_case("llama", [(5, 3, 6, 2), (1, 9, 6)]),
         "packed, S padded, gpt2": _packed_case("gpt2", [(4, 7, 4)]),
         "left padding": _left_padded_case(),
+        "packed samples, then padding": Case(
+            "llama",
+            torch.arange(3, 17)[None],
+            torch.tensor([[-100, 4, 5, -100, 7, 8, 9, 10, -100, 12, 13, -100, -100, -100]]),
+            kwargs={
+                "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 0, 0, 0]]),
+                "attention_mask": torch.tensor([[1] * 11 + [0] * 3]),
+            },
+        ),
         "packed, selective recompute (attention recomputed in backward)": _packed_case(
             "qwen3", [(6, 3, 3), (2, 10)], memo={"recompute": "selective"}
         ),
@@ -204,7 +213,10 @@ def _four_rank_worker(rank, world):
 
 def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
     model = build_model(case.family, **case.overrides)
-    out = model(input_ids=case.ids, labels=case.labels, use_cache=False, **case.kwargs)  # no cache: no cross-sample
+    kwargs = dict(case.kwargs)
+    if "position_ids" in kwargs:  # packed: transformers keeps samples apart only without a mask (the padding at
+        kwargs.pop("attention_mask", None)  # the end then forms samples of its own, with no target)
+    out = model(input_ids=case.ids, labels=case.labels, use_cache=False, **kwargs)  # no cache: no cross-sample
     out.loss.backward()
     return model, out.loss.detach()
 

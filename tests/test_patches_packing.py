@@ -117,14 +117,37 @@ def test_an_all_ones_mask_does_not_hide_packed_samples():
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.parametrize("recompute,alpha", [("none", None), ("selective", None), ("memo", 0.5)])
+def test_packed_samples_then_padding_equal_the_samples_run_alone(recompute, alpha):
+    reference = build_model("qwen2")
+    model = _apply(copy.deepcopy(reference), recompute, alpha)
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    pad = torch.zeros(1, 5, dtype=torch.long)
+    mask = torch.cat([torch.ones_like(ids), pad], dim=1)
+    got = _step(
+        model,
+        input_ids=torch.cat([ids, pad], dim=1),
+        labels=torch.cat([packed_labels, pad - 100], dim=1),
+        position_ids=torch.cat([positions, torch.arange(5)[None]], dim=1),
+        attention_mask=mask,
+        num_items_in_batch=num_items,
+    )
+    want = sum(
+        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
+        for sample, label in zip(samples, labels)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
 @pytest.mark.parametrize("recompute,alpha", [("none", None), ("memo", 0.5)])
-def test_padding_with_packed_samples_is_refused(recompute, alpha):
-    model = _apply(build_model("llama"), recompute, alpha)
+def test_packed_samples_with_padding_are_refused_where_transformers_masks_would_be_used(recompute, alpha):
+    model = _apply(build_model("llama", attn_implementation="eager"), recompute, alpha)
     _, _, ids, packed_labels, positions, _ = packed_row()
     mask = torch.ones_like(ids)
     mask[0, -2:] = 0
     packed_labels[0, -3:] = -100
-    with pytest.raises(ValueError, match="transformers then lets the packed samples attend to each other"):
+    with pytest.raises(ValueError, match="transformers' masks let the packed samples attend to each other"):
         model(input_ids=ids, labels=packed_labels, position_ids=positions, attention_mask=mask)
     assert all(p.grad is None for p in model.parameters())
 

@@ -15,15 +15,18 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_memo.minseq.lm_head import shifted_targets
+from hf_memo.parallel.attention import WRAPPABLE
 from hf_memo.patches.sample_attention import attends_per_sample
-from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, describe_batch
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, describe_batch, needs_masks_transformers_lacks
 
 # Attention implementations that see packed samples: through the mask transformers builds from
 # position_ids (eager, sdpa, flex) or through position_ids themselves (flash-attention).
 PACKING_AWARE = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
-def describe_training_batch(model: PreTrainedModel, arguments: dict, labels: Any, extra: dict) -> dict:
+def describe_training_batch(
+    model: PreTrainedModel, arguments: dict, labels: Any, extra: dict, per_sample: bool = False
+) -> dict:
     """The arguments of a training step of ``model``, with the batch's layout under ``LAYOUT_KEYWORD``.
 
     Args:
@@ -32,6 +35,8 @@ def describe_training_batch(model: PreTrainedModel, arguments: dict, labels: Any
             ``(B, S, H)``, optional ``attention_mask`` ``(B, S)``, ``position_ids`` ``(B, S)``).
         labels: ``(B, S)`` labels.
         extra: the forward's ``**kwargs`` (``shift_labels``, ``ignore_index``).
+        per_sample: every attention call of the step attends per sample whatever the model's
+            implementation (sequence parallelism's Ulysses attention does).
 
     Returns:
         The arguments with the layout added (none for a 4-D ``attention_mask``, which transformers
@@ -40,8 +45,9 @@ def describe_training_batch(model: PreTrainedModel, arguments: dict, labels: Any
         empty 4-D one: transformers takes it as given and builds none.
 
     Raises:
-        ValueError: see :func:`describe_batch`; also packed samples with an attention implementation
-            that ignores them.
+        ValueError: see :func:`describe_batch`; also padding together with packed samples where
+            transformers' masks would attend across them, and packed samples with an attention
+            implementation that ignores them.
     """
     mask = arguments.get("attention_mask")
     if mask is not None and mask.dim() != 2:
@@ -54,6 +60,13 @@ def describe_training_batch(model: PreTrainedModel, arguments: dict, labels: Any
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
     implementation = model.config._attn_implementation
+    if needs_masks_transformers_lacks(layout, batch) and not (per_sample or attends_per_sample(model)):
+        raise ValueError(
+            "this batch has padding (attention_mask zeros) and packed samples (position_ids restarting inside a "
+            f"row): with attn_implementation={implementation!r} transformers' masks let the packed samples attend "
+            "to each other. Use padding-free packing (position_ids, no attention_mask), one sample per row with "
+            f"padding, or one of {', '.join(WRAPPABLE)}"
+        )
     if layout.packed and implementation not in PACKING_AWARE:
         raise ValueError(
             f"this batch packs several samples per row (position_ids restart), which attn_implementation="

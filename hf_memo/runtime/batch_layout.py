@@ -100,10 +100,11 @@ def describe_batch(
             padding token after a real one has a target.
 
     Raises:
-        ValueError: a mask that is not 2-D or not left/right padding, padding together with packed
-            samples (transformers then lets samples attend to each other), or a padding token after
-            real ones with a target (transformers lets it attend to the real tokens before it, which
-            padding-free attention does not).
+        ValueError: a mask that is not 2-D or not left/right padding, or a padding token after real
+            ones with a target (transformers lets it attend to the real tokens before it, which
+            padding-free attention does not). Padding together with packed samples gives a layout,
+            though transformers' own masks would let those samples attend to each other (see
+            :func:`needs_masks_transformers_lacks`).
     """
     if attention_mask is None and position_ids is None:
         return BatchLayout(length)
@@ -120,6 +121,12 @@ def describe_batch(
     return _layout_from_host(host[0].bool(), host[1], host[2].bool(), attention_mask is not None)
 
 
+def needs_masks_transformers_lacks(layout: BatchLayout, batch: int) -> bool:
+    """Padding and packed samples together: transformers then skips packed-sequence detection (it does so
+    whenever an attention mask is given), so only per-sample attention keeps these samples apart."""
+    return layout.packed and layout.real_tokens(batch) < batch * layout.length
+
+
 def _layout_from_host(real: torch.Tensor, positions: torch.Tensor, counted: torch.Tensor, masked: bool) -> BatchLayout:
     """The layout from host tensors ``(B, S)``: real-token mask, positions, counted targets."""
     batch, length = real.shape
@@ -134,12 +141,6 @@ def _layout_from_host(real: torch.Tensor, positions: torch.Tensor, counted: torc
     jumps[:, 1:] = positions.diff(dim=1) != 1
     starts = real & (jumps | ~previous_real)
     padded = masked and not bool(real.all())
-    if padded and bool((real & previous_real & jumps).any()):
-        raise ValueError(
-            "this batch has padding (attention_mask zeros) and packed samples (position_ids restarting inside a "
-            "row): transformers then lets the packed samples attend to each other. Use padding-free packing "
-            "(position_ids, no attention_mask) or one sample per row with padding"
-        )
     if bool((counted & ~real & (real.cumsum(dim=1) > 0)).any()):
         raise ValueError(
             "a padding token after real tokens (attention_mask 0) has a target in the labels; label padding with "
