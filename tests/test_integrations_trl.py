@@ -78,7 +78,7 @@ def test_sft_trainer_with_memo_callback_matches_trl_alone(tmp_path, layout):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sft_trainer_packed_rows_are_refused_by_memo(tmp_path, layout):
-    # Padding-free and packed rows reach the layers with a block-diagonal attention mask, which the memo
-    # executor does not take yet.
-    with pytest.raises(ValueError, match="recompute='memo' runs causal self-attention over whole sequences"):
+    # TRL computes its loss from the model's own forward (fused_lm_head), not the causal LM's labels path where
+    # hf_memo describes the batch: padding-free and packed rows reach the layers with only a block-diagonal mask.
+    with pytest.raises(ValueError, match="recompute='memo' takes the samples of a batch from the causal LM's"):
         _train(tmp_path, "memo", MemoConfig(recompute="memo", offload_fraction=0.5), **LAYOUTS[layout])
