@@ -97,6 +97,26 @@ def test_padded_batch_equals_unpatched_with_its_mask(family, recompute, alpha, s
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.parametrize("recompute,alpha", [("none", None), ("selective", None), ("memo", 0.5)])
+def test_a_training_forward_without_labels_keeps_packed_samples_apart(recompute, alpha):
+    """A trainer with its own LM head (TRL's ``fused_lm_head``) calls the backbone without labels: the backbone's
+    hidden states of a packed row are each sample's, and gradients through them are the samples' own."""
+    reference = build_model("llama", num_hidden_layers=3)
+    model = _apply(copy.deepcopy(reference), recompute, alpha)
+    samples, _, ids, _, positions, _ = packed_row()
+    hidden = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    weights = torch.randn_like(hidden)
+    (hidden * weights).sum().backward()
+    offsets = torch.tensor([0, *LENGTHS]).cumsum(0).tolist()
+    want = []
+    for sample, start, stop in zip(samples, offsets, offsets[1:]):
+        rows = reference.model(input_ids=sample[None]).last_hidden_state
+        (rows * weights[:, start:stop]).sum().backward()
+        want.append(rows.detach())
+    torch.testing.assert_close(hidden.detach(), torch.cat(want, dim=1), rtol=1e-10, atol=1e-12)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
 def test_a_cache_asked_for_in_a_training_step_still_keeps_samples_apart():
     reference = build_model("llama")
     model = _apply(copy.deepcopy(reference), "memo", 0.5)

@@ -144,6 +144,18 @@ def causal_lm_forward(
     return result if return_dict else result.to_tuple()
 
 
+def backbone_forward(model: PreTrainedModel, backbone: nn.Module, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+    """The backbone's forward. A training forward that did not come through :func:`causal_lm_forward`'s loss (a
+    trainer's own LM head, e.g. TRL's ``fused_lm_head``, or a call without labels) gets its batch described here:
+    packed and padded rows attend per sample in every mode, and no cache is built."""
+    if not backbone.training or LAYOUT_KEYWORD in kwargs:
+        return inner(*args, **kwargs)
+    arguments = _bound_arguments(inner, args, kwargs)
+    if "use_cache" in inspect.signature(inner).parameters:
+        arguments["use_cache"] = False
+    return inner(**describe_training_batch(model, arguments, None, {}))
+
+
 def _original_forward(
     model: PreTrainedModel, sequence_parallel: SequenceParallelLM | None, inner: Callable, args: tuple, kwargs: dict
 ) -> Any:

@@ -33,7 +33,8 @@ def describe_training_batch(
         model: the causal LM.
         arguments: its named forward arguments (``input_ids`` ``(B, S)`` or ``inputs_embeds``
             ``(B, S, H)``, optional ``attention_mask`` ``(B, S)``, ``position_ids`` ``(B, S)``).
-        labels: ``(B, S)`` labels.
+        labels: ``(B, S)`` labels, or ``None`` when the caller computes its loss itself (the targets are then
+            unknown and not checked against padding).
         extra: the forward's ``**kwargs`` (``shift_labels``, ``ignore_index``).
         per_sample: every attention call of the step attends per sample whatever the model's
             implementation (sequence parallelism's Ulysses attention does).
@@ -56,7 +57,7 @@ def describe_training_batch(
     batch, length = sequence.shape[:2]
     ignore_index = extra.get("ignore_index", -100)
     shift_labels = extra.get("shift_labels")
-    if shift_labels is None:
+    if shift_labels is None and labels is not None:
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
     implementation = model.config._attn_implementation

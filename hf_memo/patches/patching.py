@@ -12,6 +12,7 @@ from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     FinalNormDeferral,
+    backbone_forward,
     causal_lm_forward,
     checkpointed_layer_forward,
     final_norm_forward,
@@ -81,6 +82,8 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     backbone = getattr(model, model.base_model_prefix)
     deferral = FinalNormDeferral()
     record.install_forward(getattr(backbone, family.final_norm), partial(final_norm_forward, deferral))
+    if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
+        record.install_forward(backbone, partial(backbone_forward, model))
     record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel, runtime, deferral))
     model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
 
