@@ -84,13 +84,13 @@ def test_the_plan_is_made_for_the_offload_the_real_model_solved(monkeypatch):
     # Fake tensors' timings mean nothing: here a fake layer "takes" no time, so a profiling copy left to
     # solve alpha itself would offload nothing, while the real layer (1 s, unlimited bandwidth) offloads all.
     monkeypatch.setattr(
-        memo, "time_layer_forward", lambda split, x, bounds, core: LayerForward(0.0 if is_fake(x) else 1.0, 0)
+        memo, "time_layer_forward", lambda split, x, bounds, core: LayerForward(0.0 if is_fake(x) else 1.0, 0, 0.0)
     )
     seen = []
     original = MemoRuntime.alpha_chunks
 
-    def spy(self, split, x, bounds, core):
-        chunks = original(self, split, x, bounds, core)
+    def spy(self, split, x, bounds, core, index):
+        chunks = original(self, split, x, bounds, core, index)
         seen.append((is_fake(x), chunks))
         return chunks
 
@@ -100,15 +100,14 @@ def test_the_plan_is_made_for_the_offload_the_real_model_solved(monkeypatch):
     )
     runtime = memo_runtime(model)
     early = plan_training_step(model, 2, 16, progress=False)  # before the real model ran: the copy's own alpha
-    assert early.meta["offload"]["alpha"] == 0.0
+    assert {layer["alpha"] for layer in early.meta["offload"]["layers"]} == {0.0}
     runtime.attach_memory_plan(early)
     seen.clear()
     ids, labels = make_batch(2, 16)
     model(input_ids=ids, labels=labels).loss.backward()
-    assert runtime.plan.alpha == 1.0 and runtime.memory_plan is not early  # planned again, for the real offload
+    assert runtime.memory_plan is not early  # planned again, for the real offload
     assert runtime.memory_plan.meta["offload"] == {
-        "alpha": 1.0,
-        "swapped_layers": 3,
+        "layers": [{"keep_attention": True, "on_host": index < 3, "alpha": 1.0} for index in range(5)],
         "bound": "all",
         "head_offloaded": True,
     }

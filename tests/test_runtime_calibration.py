@@ -26,11 +26,11 @@ def _layer_input(seq=64):
 
 def test_bytes_per_token_do_not_depend_on_the_probe_length():
     split, x = _layer_input()
-    fixed, other = layer_bytes_per_token(split, x, rows=16)
-    assert (fixed, other) == layer_bytes_per_token(split, x, rows=48)
-    # layer input (32) + attention output (4 heads x 8) in fp64, + 4 fp64 softmax statistics
-    assert fixed == 32 * 8 + 32 * 8 + 4 * 8
-    assert other > fixed  # norms, projections, RoPE and the MLP save more than input and output
+    kept = layer_bytes_per_token(split, x, rows=16)
+    assert kept == layer_bytes_per_token(split, x, rows=48)
+    # layer input (32) and attention output (4 heads x 8) in fp64, + 4 fp64 softmax statistics
+    assert (kept.input, kept.attention) == (32 * 8, 32 * 8 + 4 * 8) and kept.fixed == kept.input + kept.attention
+    assert kept.other > kept.fixed  # norms, projections, RoPE and the MLP save more than input and output
 
 
 def test_probing_leaves_the_rng_and_no_references_behind():
@@ -82,9 +82,9 @@ def test_under_autocast_the_probe_stashes_only_per_token_bytes():
     split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(40)[None]))
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
         short, long = _stashed_bytes(split, x, 10), _stashed_bytes(split, x, 40)
-        fixed, other = layer_bytes_per_token(split, x, rows=40)
+        kept = layer_bytes_per_token(split, x, rows=40)
     assert long == 4 * short  # nothing of constant size (the weights' bf16 casts) is stashed
-    assert fixed + other == long / (2 * 40)
+    assert kept.fixed + kept.other == long / (2 * 40)
 
 
 class _RecordingSplit:
@@ -126,9 +126,13 @@ def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them(monkey
     monkeypatch.setattr(calibration.time, "perf_counter", perf_counter)
     bounds = chunk_bounds(50, 4)
     timing = time_layer_forward(_RecordingSplit(split, log), x.detach(), bounds, _RecordingCore(log))
-    one_pass = [("project", b - a) for a, b in bounds] + [("attention", 50)] + [("finish", b - a) for a, b in bounds]
-    assert log == one_pass + [("clock", None)] + one_pass + [("clock", None)]  # warm-up, then the timed call
-    assert timing.seconds == 1.0 and timing.workspace_bytes == 0  # CPU: no device memory counter
+    project = [("project", b - a) for a, b in bounds]
+    finish = [("finish", b - a) for a, b in bounds]
+    tick = [("clock", None)]
+    warm_up = project + [("attention", 50)] + finish
+    assert log == warm_up + tick + project + tick + [("attention", 50)] + tick + finish + tick  # then the timed call
+    assert timing.seconds == 3.0 and timing.attention_seconds == 1.0  # the attention core timed alone
+    assert timing.workspace_bytes == 0  # CPU: no device memory counter
 
 
 def test_timing_never_builds_a_full_length_mlp_intermediate():
@@ -145,6 +149,5 @@ def test_layer_forward_seconds_times_chunks_of_at_most_chunk_tokens_rows(monkeyp
     monkeypatch.setattr(calibration.time, "perf_counter", iter(range(100)).__next__)
     seconds = layer_forward_seconds(_RecordingSplit(split, log), x.detach(), chunk_tokens=16)
     projected = [rows for kind, rows in log if kind == "project"]
-    assert (
-        projected == [b - a for a, b in chunk_bounds(50, 4)] * 2 and seconds == 1.0
-    )  # ceil(50 / 16) = 4 chunks, warm-up then timed
+    assert projected == [b - a for a, b in chunk_bounds(50, 4)] * 2  # ceil(50 / 16) = 4 chunks, warm-up then timed
+    assert seconds == 3.0  # three timed intervals of one tick: projections, attention, the rest

@@ -78,7 +78,7 @@ def _run(fn, x, params, upstream):
 def _memo(split, index, chunks, alpha_chunks, num_layers=3):
     runtime = MemoRuntime(MemoConfig(recompute="memo"), num_layers)
     x = torch.zeros(1, 1, HIDDEN, dtype=torch.float64)
-    runtime.alpha_chunks(split, x, [(0, 1)], LocalAttention)  # plan: layer 0 is swapped
+    runtime.alpha_chunks(split, x, [(0, 1)], LocalAttention, 0)  # plan: layer 0 is swapped
 
     def fn(x):
         return MemoLayerFunction.apply(

@@ -21,7 +21,7 @@ def _runtime(**config) -> MemoRuntime:
     model = build_model("llama")
     x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64)
     split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(SEQ)[None]))
-    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention)
+    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0)
     return runtime
 
 

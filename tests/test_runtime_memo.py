@@ -19,6 +19,10 @@ from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
 
 
+def _on_host(policy):
+    return sum(layer.on_host for layer in policy.layers)
+
+
 def _split_and_input(seq=32):
     model = build_model("llama", num_hidden_layers=2)
     x = torch.randn(1, seq, 32, dtype=torch.float64)
@@ -28,28 +32,27 @@ def _split_and_input(seq=32):
 def test_offload_plan_is_solved_once_per_shape_and_swaps_all_but_the_last_two_layers():
     runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=0.5), num_layers=6)
     split, x = _split_and_input()
-    assert runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 8), LocalAttention) == 4
+    assert runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 8), LocalAttention, 0) == 4
     plan = runtime.plan
-    assert plan.swapped_layers == 4 and plan.alpha == 0.5
-    assert runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 8), LocalAttention) == 4 and runtime.plan is plan
+    assert _on_host(plan) == 4 and {layer.alpha for layer in plan.layers} == {0.5}
+    assert runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 8), LocalAttention, 0) == 4 and runtime.plan is plan
 
 
 def test_a_host_limit_too_small_for_any_layer_keeps_every_layer_on_the_device():
     runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=1.0, host_memory_limit=1000), num_layers=6)
     split, x = _split_and_input()
     with pytest.warns(UserWarning, match="holds the layer inputs and attention outputs of 0 of 4 layers"):
-        runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention)
-    assert runtime.plan.swapped_layers == 0
+        runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0)
+    assert _on_host(runtime.plan) == 0
 
 
 def test_auto_alpha_uses_the_given_bandwidth_and_layer_time():
     split, x = _split_and_input()
     fast = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, layer_time=1.0), num_layers=6)
     slow = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1.0, layer_time=1e-9), num_layers=6)
-    assert fast.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention) == 4 and fast.plan.bound == "all"
-    assert (
-        slow.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention) == 0 and slow.plan.bound == "bandwidth"
-    )
+    assert fast.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0) == 4 and fast.plan.bound == "all"
+    assert slow.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0) == 0
+    assert slow.plan.bound == "bandwidth"
 
 
 def test_a_memory_plan_for_another_shape_is_not_used():
@@ -57,7 +60,7 @@ def test_a_memory_plan_for_another_shape_is_not_used():
     runtime.attach_memory_plan(MemoryPlan("x", 512, 0, 0, [], [], {}, 0, {}, {}, meta={"batch_size": 1, "seq_len": 8}))
     split, x = _split_and_input()
     with pytest.warns(ArenaWarning, match="no memory plan for batch 1 x 32 tokens"):
-        runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention)
+        runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0)
     assert runtime.memory_plan is None
 
 
@@ -114,16 +117,17 @@ def test_host_buffers_of_an_old_shape_are_freed_on_a_new_one():
 
 def test_a_device_memory_limit_bounds_alpha_and_auto_has_none_on_cpu():
     split, x = _split_and_input()
-    fixed, other = layer_bytes_per_token(split, x)
+    kept = layer_bytes_per_token(split, x)
+    fixed, other = kept.fixed, kept.other
     tokens = x.shape[0] * x.shape[1]
     budget = 4 * (fixed + 0.5 * other) * tokens  # 2 top layers + 2 buffers, at alpha = 1/2
     config = dict(recompute="memo", host_bandwidth=1e15, layer_time=1.0)
     bounds = chunk_bounds(x.shape[1], 8)
     free = MemoRuntime(MemoConfig(**config), num_layers=6)
     limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(budget)), num_layers=6)
-    assert free.alpha_chunks(split, x, bounds, LocalAttention) == 8 and free._device_limit(x.device) is None
-    assert limited.alpha_chunks(split, x, bounds, LocalAttention) == 4
-    assert limited.plan.bound == "device memory" and limited.plan.alpha == pytest.approx(0.5, rel=1e-3)
+    assert free.alpha_chunks(split, x, bounds, LocalAttention, 0) == 8 and free._device_limit(x.device) is None
+    assert limited.alpha_chunks(split, x, bounds, LocalAttention, 0) == 4
+    assert limited.plan.bound == "device memory" and limited.plan.layers[0].alpha == pytest.approx(0.5, rel=1e-3)
 
 
 def test_calibration_times_attention_through_the_layers_own_core():
@@ -137,5 +141,5 @@ def test_calibration_times_attention_through_the_layers_own_core():
 
     split, x = _split_and_input()
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)
-    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore())
+    runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore(), 0)
     assert len(calls) == 2 and calls[0][2] == x.shape[1]  # warm-up and timed call, over the whole sequence

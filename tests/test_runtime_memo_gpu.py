@@ -60,11 +60,12 @@ def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, layer_time=1.0), num_layers=6)
     free, _ = torch.cuda.mem_get_info(device)
     assert runtime._device_limit(device) == free + torch.cuda.memory_reserved(device)
-    assert runtime.alpha_chunks(split, x, bounds, LocalAttention) == 8  # a small layer fits anywhere
-    fixed, other = layer_bytes_per_token(split, x)
+    assert runtime.alpha_chunks(split, x, bounds, LocalAttention, 0) == 8  # a small layer fits anywhere
+    kept = layer_bytes_per_token(split, x)
+    fixed, other = kept.fixed, kept.other
     tight = torch.cuda.memory_allocated(device) + int(4 * (fixed + 0.5 * other) * 2048)  # no room for workspace
     limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=tight), 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the workspace may leave less than the layers' fixed bytes
-        limited.alpha_chunks(split, x, bounds, LocalAttention)
-    assert limited.plan.bound == "device memory" and limited.plan.alpha < 0.5
+        limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
+    assert limited.plan.bound == "device memory" and limited.plan.layers[0].alpha < 0.5

@@ -46,7 +46,8 @@ W&B... receive them:
     the bf16 dense tensor-core peak of a known GPU (:data:`~hf_memo.integrations.flops.PEAK_BF16_FLOPS`);
     left out when neither is known (CPU, other GPUs).
 ``hf_memo/alpha``
-    ``recompute="memo"`` only: the offload fraction the executor solved for the latest layer shape.
+    ``recompute="memo"`` only: the mean over the decoder layers of the offload fraction of the memory
+    policy in force for the latest layer shape (each layer's ``alpha``: ``memo_runtime(model).plan``).
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ class MemoCallback(TrainerCallback):
                 flops = self._flop_model.flops(tokens, int(self._squared_lengths))
                 metrics[MFU] = flops * self._replicas / (seconds * self._peak_flops * self._world)
         if runtime is not None and runtime.plan is not None:
-            metrics[ALPHA] = runtime.plan.alpha
+            metrics[ALPHA] = sum(layer.alpha for layer in runtime.plan.layers) / len(runtime.plan.layers)
         return metrics
 
     # -- memory plan ---------------------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def memo_layer_forward(
     core = attention_core_for(layout)
     if sequence_parallel is not None:
         core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, core)
-    alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core)
+    alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
     return MemoLayerFunction.apply(runtime, split, core, index, bounds, alpha_chunks, hidden, *params)
 
 

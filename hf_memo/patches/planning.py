@@ -25,17 +25,19 @@ def plan_training_step(
 
     A copy of the model is built on fake tensors (same config, dtype, PEFT adapters and hf_memo
     config, no memory), one step is traced, and the trace is planned with ``MemoConfig.planner``.
-    Under ``recompute="memo"`` the copy runs the offload the real model solved for that shape (its
-    ``alpha``, swapped layers and LM-head offload: timings of fake tensors mean nothing); before the
-    real model has run that shape, the copy solves it (``offload_fraction="auto"`` then gives an alpha
-    the real run may not choose, and the runtime plans again on its first step). The plan's ``meta``
-    records the shape and the offload it was made for. Under sequence parallelism, ``seq_len`` is
+    Under ``recompute="memo"`` the copy runs the decision the real model made for that shape (its
+    per-layer memory policy and LM-head offload: timings of fake tensors mean nothing); before the real
+    model has run that shape, the copy decides it (from its own policy if one was assumed with
+    :meth:`~hf_memo.runtime.memo.MemoRuntime.assume_policy`; ``offload_fraction="auto"`` then gives an
+    alpha the real run may not choose, and the runtime plans again on its first step). The plan's
+    ``meta`` records the shape and the decision it was made for (``meta["offload"]``: every layer's
+    policy, the bound and the LM-head offload). Under sequence parallelism, ``seq_len`` is
     one rank's shard, profiled as a single device's step.
 
     Args:
         model: a model patched by :func:`hf_memo.apply` (or a PEFT model wrapping one).
         progress: show the planner's progress bar.
-        offload: the offload to plan for; by default the one ``model``'s runtime solved for the shape.
+        offload: the decision to plan for; by default the one ``model``'s runtime made for the shape.
     """
     from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 
@@ -60,6 +62,8 @@ def plan_training_step(
             offload = runtime.offload_for(batch_size, seq_len)
         if offload is not None:
             memo_runtime(fake).assume_offload(offload)
+        elif runtime is not None and runtime.assumed_policy is not None:
+            memo_runtime(fake).assume_policy(runtime.assumed_policy)
         with torch.random.fork_rng(devices=[]):
             trace = trace_training_step(fake, batch_size, seq_len, optimizer="none")
         fake_runtime = memo_runtime(fake)

@@ -1,4 +1,5 @@
-"""Measurements the offload LP needs: bytes per token of a layer, its forward time and memory, host bandwidth."""
+"""Measurements the memory policy needs: bytes per token of a layer (input, attention, the rest), its forward time
+(and its attention core's share) and memory, host bandwidth."""
 
 from __future__ import annotations
 
@@ -59,8 +60,28 @@ def _stashed_bytes(split: LayerSplit, x: torch.Tensor, rows: int) -> int:
     return probe.stash.raw_nbytes
 
 
-def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -> tuple[float, float]:
-    """``(S_in + S_attn, S_other)`` per token of one layer, from running it on two prefixes of ``x``.
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes per token (``B * 1`` tokens) one layer keeps for its backward.
+
+    Attributes:
+        input: ``S_in``, the layer input ``(B, S, H)``.
+        attention: ``S_attn``, the attention output ``(B, S, h*D)`` and softmax statistics ``(B, h, S)``.
+        other: ``S_other``, every other saved activation (at ``alpha = 1``).
+    """
+
+    input: float
+    attention: float
+    other: float
+
+    @property
+    def fixed(self) -> float:
+        """``S_in + S_attn``: what a layer keeping its attention keeps of every token."""
+        return self.input + self.attention
+
+
+def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -> LayerBytes:
+    """What one layer keeps per token, from running it on two prefixes of ``x``.
 
     Args:
         x: ``(B, S, H)`` the layer's input; the probe runs on ``x[:, :rows]`` and ``x[:, :rows // 2]``
@@ -68,10 +89,6 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
             difference divided by the difference in tokens, so a tensor whose size does not depend on
             the tokens (e.g. a weight cast under autocast) never counts as per-token. RNG state is left
             untouched.
-
-    Returns:
-        bytes per token (``B * 1`` tokens) of the layer input plus attention output and statistics,
-        and of every other saved activation.
     """
     long = min(rows, x.shape[1])
     short = long // 2
@@ -85,27 +102,57 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
             per_token = saved / x.shape[0]
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
-    fixed = x.shape[-1] * x.element_size() + heads * head_dim * q.element_size() + heads * stat_size
-    return fixed, max(per_token - fixed, 0.0)
+    kept = LayerBytes(x.shape[-1] * x.element_size(), heads * head_dim * q.element_size() + heads * stat_size, 0.0)
+    return LayerBytes(kept.input, kept.attention, max(per_token - kept.fixed, 0.0))
 
 
 @dataclass(frozen=True)
 class LayerForward:
-    """One layer forward as the executor runs it: wall ``seconds``, and the device bytes it needed above its
+    """One layer forward as the executor runs it: wall ``seconds``, of which ``attention_seconds`` in the
+    attention core (what an X-only layer repeats in backward), and the device bytes it needed above its
     input (``workspace_bytes``, peak minus what was allocated before; 0 on CPU, which has no counter)."""
 
     seconds: float
     workspace_bytes: int
+    attention_seconds: float
+
+
+class _Clock:
+    """Marks points of a run; :meth:`seconds` gives the time between consecutive marks (CUDA events on CUDA,
+    read once the run is done; ``perf_counter`` on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.points: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            self.points[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.points, self.points[1:])]
+        return [b - a for a, b in zip(self.points, self.points[1:])]
 
 
 def _chunked_forward(
-    split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+    split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore, clock: _Clock | None = None
 ) -> torch.Tensor:
-    """The executor's forward pattern: project per chunk, attention over the sequence, finish per chunk."""
+    """The executor's forward pattern: project per chunk, attention over the sequence, finish per chunk.
+    ``clock`` (if any) is marked at the start, around the attention core, and at the end."""
+    mark = (lambda: None) if clock is None else clock.mark
+    mark()
     parts = [split.project(x[:, start:stop], start, stop) for start, stop in bounds]
     q, k, v = (_gather_heads([chunk[i] for chunk in parts]) for i in range(3))
     del parts
+    mark()
     out, _ = core.forward(q, k, v, split.scale, split.dropout_p)
+    mark()
     del q, k, v
     o_rows = _sequence_major(out).transpose(1, 2).reshape(*x.shape[:2], -1)
     del out
@@ -115,6 +162,7 @@ def _chunked_forward(
         if y is None:
             y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
         y[:, start:stop] = y_rows
+    mark()
     return y
 
 
@@ -127,26 +175,23 @@ def time_layer_forward(
     exists) and attention runs through ``core`` (under sequence parallelism, the core that exchanges
     heads for the sequence: the all-to-alls are timed too, and every rank of the group must call this
     together). A first, untimed call warms up kernels, workspaces and caches; the second is timed with
-    CUDA events on CUDA (``perf_counter`` on CPU), and its peak device memory is measured (on CUDA
-    this resets the allocator's peak counter). RNG state is left untouched.
+    CUDA events on CUDA (``perf_counter`` on CPU), as a whole and its attention core alone, and its peak
+    device memory is measured (on CUDA this resets the allocator's peak counter). RNG state is left untouched.
     """
     cuda = x.device.type == "cuda"
     devices = [x.device] if cuda else []
+    clock = _Clock(x.device)
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.no_grad():
         _chunked_forward(split, x, bounds, core)
-        if not cuda:
-            start = time.perf_counter()
-            _chunked_forward(split, x, bounds, core)
-            return LayerForward(time.perf_counter() - start, 0)
-        torch.cuda.synchronize(x.device)
-        base = torch.cuda.memory_allocated(x.device)
-        torch.cuda.reset_peak_memory_stats(x.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        _chunked_forward(split, x, bounds, core)
-        end.record()
-        end.synchronize()
-        return LayerForward(start.elapsed_time(end) / 1e3, torch.cuda.max_memory_allocated(x.device) - base)
+        base = 0
+        if cuda:
+            torch.cuda.synchronize(x.device)
+            base = torch.cuda.memory_allocated(x.device)
+            torch.cuda.reset_peak_memory_stats(x.device)
+        _chunked_forward(split, x, bounds, core, clock)
+        pre, attention, post = clock.seconds()
+        workspace = torch.cuda.max_memory_allocated(x.device) - base if cuda else 0
+        return LayerForward(pre + attention + post, workspace, attention)
 
 
 def layer_forward_seconds(split: LayerSplit, x: torch.Tensor, chunk_tokens: int = 1024) -> float:

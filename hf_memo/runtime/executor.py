@@ -4,8 +4,7 @@ One decoder layer is split by its model family into three per-call pieces (a :cl
 
 * ``project(x_rows, start, stop)``: norm, q/k/v projections and RoPE for rows ``[start, stop)`` of the
   sequence, ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``;
-* the attention core over the whole sequence (never recomputed: its output and softmax statistics,
-  with what replays its dropout mask, are kept and its backward is called directly);
+* the attention core over the whole sequence (its backward is called directly);
 * ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``
   (o_proj through :func:`project_rows`).
 
@@ -13,11 +12,17 @@ q, k and v are gathered into ``(B, S, h, D)`` memory (passed as ``(B, h, S, D)``
 write the attention output in that order too and its rows ``(B, S, h * D)`` are a view of it: the
 stash keeps one copy of the attention output, however many chunks read it.
 
+What a layer keeps is its :class:`~hf_memo.planner.policy.LayerPolicy` (given through its stash): its
+input and the attention output, softmax statistics and what replays the dropout mask (attention is
+never recomputed), or its input only (``keep_attention=False``: backward rebuilds q, k and v and runs
+the attention core's forward again, under the forward's RNG state, before its backward).
+
 Everything but attention is per token, so the sequence is cut into mini-sequence chunks. The first
 ``alpha_chunks`` chunks ("offloaded tokens") build their autograd graph in forward with every saved
 tensor moved into the layer's :class:`~hf_memo.runtime.stash.LayerStash`; the other chunks run
 without a graph and are recomputed chunk by chunk in backward from the stashed layer input and
-attention output. The stash goes to host memory for all but the last two layers.
+attention output (recomputed first if the layer keeps its input only). The stash goes to host memory
+or stays on the device, as the layer's policy says.
 """
 
 from __future__ import annotations
@@ -140,6 +145,21 @@ def _sequence_major(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _rebuild_qkv(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``(B, h, S, D)``, k, v ``(B, h_kv, S, D)`` of the layer's forward: the offloaded chunks' from the stash,
+    the others projected again from ``x`` ``(B, S, H)`` under their forward's RNG and autocast state."""
+    qkv: list[list[torch.Tensor]] = [[], [], []]
+    for refs in ctx.qkv_refs:
+        for parts, ref in zip(qkv, refs):
+            parts.append(ctx.stash.rebuild(ref))
+    for (start, stop), replay in zip(ctx.bounds[ctx.alpha_chunks :], ctx.pre_replays):
+        with torch.no_grad(), replay.replay():
+            for parts, t in zip(qkv, ctx.split.project(_rows(x, start, stop), start, stop)):
+                parts.append(t)
+    q, k, v = (_gather_heads(parts) for parts in qkv)
+    return q, k, v
+
+
 class MemoLayerFunction(torch.autograd.Function):
     """One decoder layer under the memo executor; parameters are inputs and get their gradients from here."""
 
@@ -156,6 +176,13 @@ class MemoLayerFunction(torch.autograd.Function):
         *params: torch.Tensor,
     ) -> torch.Tensor:
         stash = runtime.open_stash(index, x.device)
+        keep_attention = stash.keep_attention
+        if not keep_attention and split.dropout_p > 0 and x.device.type == "cuda":
+            raise ValueError(
+                f"layer {index}'s policy keeps its input only (keep_attention=False), which recomputes attention "
+                f"in backward, but attention dropout is {split.dropout_p} on CUDA, whose mask cannot be replayed: "
+                "keep_attention=True is needed with attention dropout on CUDA"
+            )
         hooks = stash_hooks(stash, split.kept(), stash_them=False)
         anchor = torch.zeros((), device=x.device, requires_grad=True)
         offloaded, recomputed = bounds[:alpha_chunks], bounds[alpha_chunks:]
@@ -179,20 +206,25 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
         q, k, v = (_gather_heads(parts) for parts in qkv)
         del qkv
+        ctx.attention_replay = None if keep_attention else ReplayState.capture(x.device)
         out, stats = core.forward(q, k, v, split.scale, split.dropout_p)
         runtime.attention_ran()
         del q, k, v
         out = _sequence_major(out)
-        ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out), stash.add(stats.lse), replace(stats, lse=None)
+        if keep_attention:
+            ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out), stash.add(stats.lse), replace(stats, lse=None)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # a view: out is (B, S, h, D) in memory
 
         y = None
         ctx.post_graphs, ctx.post_replays = [], []
         for chunk, (start, stop) in enumerate(bounds):
             if chunk < len(offloaded):
+                o_chunk = _rows(o_rows, start, stop)
+                if not keep_attention:  # o_proj saves its input: these rows, not the whole attention output
+                    o_chunk = o_chunk.clone(memory_format=torch.contiguous_format)
                 with torch.enable_grad(), hooks:
                     x_in = _Source.apply(anchor, _rows(x, start, stop))
-                    o_in = _Source.apply(anchor, _rows(o_rows, start, stop))
+                    o_in = _Source.apply(anchor, o_chunk)
                     y_rows = split.finish(x_in, o_in)
                     ctx.post_graphs.append(
                         (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows))
@@ -209,7 +241,7 @@ class MemoLayerFunction(torch.autograd.Function):
         stash.seal()
         runtime.sealed(index, stash)
         ctx.runtime, ctx.split, ctx.core, ctx.index, ctx.bounds, ctx.stash = runtime, split, core, index, bounds, stash
-        ctx.alpha_chunks = alpha_chunks
+        ctx.alpha_chunks, ctx.keep_attention = alpha_chunks, keep_attention
         ctx.save_for_backward(*params)
         return y
 
@@ -223,7 +255,15 @@ class MemoLayerFunction(torch.autograd.Function):
         wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
         x = stash.rebuild(ctx.x_ref)
-        out = stash.rebuild(ctx.o_ref)
+        if ctx.keep_attention:
+            q = k = v = None
+            out, stats = stash.rebuild(ctx.o_ref), replace(ctx.stats, lse=stash.rebuild(ctx.lse_ref))
+        else:
+            q, k, v = _rebuild_qkv(ctx, x)
+            with torch.no_grad(), ctx.attention_replay.replay():
+                out, stats = ctx.core.forward(q, k, v, split.scale, split.dropout_p)
+            ctx.runtime.attention_ran()
+            out = _sequence_major(out)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
         grad_x = torch.empty_like(x)
         grad_o = torch.empty_like(o_rows)
@@ -244,17 +284,8 @@ class MemoLayerFunction(torch.autograd.Function):
             )
             grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
 
-        qkv: list[list[torch.Tensor]] = [[], [], []]
-        for refs in ctx.qkv_refs:
-            for parts, ref in zip(qkv, refs):
-                parts.append(stash.rebuild(ref))
-        for (start, stop), replay in zip(recomputed, ctx.pre_replays):
-            with torch.no_grad(), replay.replay():
-                for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
-                    parts.append(t)
-        q, k, v = (_gather_heads(parts) for parts in qkv)
-        del qkv
-        stats = replace(ctx.stats, lse=stash.rebuild(ctx.lse_ref))
+        if q is None:
+            q, k, v = _rebuild_qkv(ctx, x)
         grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
         dq, dk, dv = ctx.core.backward(grad_out, q, k, v, out, stats, split.scale)
         del q, k, v, grad_o, grad_out, out, o_rows

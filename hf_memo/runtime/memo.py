@@ -1,20 +1,27 @@
-"""``MemoRuntime``: the memo executor's per-model state — offload plan per shape, host pool, copy streams, buffers."""
+"""``MemoRuntime``: the memo executor's per-model state — memory policy per shape, host pool, copy streams, buffers."""
 
 from __future__ import annotations
 
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import psutil
 import torch
 
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
-from hf_memo.runtime.alpha import OffloadPlan, quantise, solve_offload_fraction
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.runtime.alpha import quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
-from hf_memo.runtime.calibration import LayerForward, host_bandwidth, layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.calibration import (
+    LayerBytes,
+    LayerForward,
+    host_bandwidth,
+    layer_bytes_per_token,
+    time_layer_forward,
+)
 from hf_memo.runtime.executor import AttentionCore, LayerSplit
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
@@ -27,20 +34,56 @@ BACKWARD_WORKSPACE_FACTOR = 2
 
 @dataclass(frozen=True)
 class OffloadDecision:
-    """What the executor does for one step shape: the solved offload ``plan``, and whether the LM head's input
+    """What the executor does for one step shape: every layer's ``policy``, and whether the LM head's input
     goes to the host (see :meth:`MemoRuntime.open_head_stash`)."""
 
-    plan: OffloadPlan
+    policy: MemoryPolicy
     head_offloaded: bool
 
     def to_dict(self) -> dict:
         """JSON-serialisable form (recorded in the memory plan made for it)."""
         return {
-            "alpha": self.plan.alpha,
-            "swapped_layers": self.plan.swapped_layers,
-            "bound": self.plan.bound,
+            "layers": [asdict(layer) for layer in self.policy.layers],
+            "bound": self.policy.bound,
             "head_offloaded": self.head_offloaded,
         }
+
+
+@dataclass(frozen=True)
+class StepMeasurements:
+    """What the runtime measured on the first step of a shape: the inputs of the policy decision.
+
+    Attributes:
+        num_layers: decoder layers ``n``.
+        tokens: ``B * S`` tokens of the step (one rank's shard under sequence parallelism).
+        chunks: the executor's mini-sequence chunks per layer (alpha is applied in whole chunks).
+        per_token: ``S_in``, ``S_attn``, ``S_other`` of one layer, bytes per token.
+        layer_seconds: one layer's forward ``T`` (``MemoConfig.layer_time`` or timed; ``None``: not measured,
+            ``offload_fraction`` was given).
+        attention_seconds: the attention core's part of it (``T_attn``; ``T - T_attn`` is the rest, ``T_other``);
+            ``None`` when not timed.
+        bandwidth: device<->host bytes per second (``MemoConfig.host_bandwidth`` or measured; ``None`` when
+            ``offload_fraction`` was given).
+        host_budget: host bytes the kept tensors may use (``MemoConfig.host_memory_limit``).
+        device_budget: device bytes the kept tensors and copy buffers may use: the device limit minus what is
+            allocated now (weights, gradients, optimizer state) minus the backward's workspace (``None``: no
+            limit, CPU with ``device_memory_limit="auto"``).
+        requested_alpha: ``MemoConfig.offload_fraction`` when not ``"auto"``.
+        x_only_allowed: whether a layer may keep ``X`` only (recompute its attention): not with attention
+            dropout on CUDA, whose mask the executor cannot replay.
+    """
+
+    num_layers: int
+    tokens: int
+    chunks: int
+    per_token: LayerBytes
+    layer_seconds: float | None
+    attention_seconds: float | None
+    bandwidth: float | None
+    host_budget: float
+    device_budget: float | None
+    requested_alpha: float | None
+    x_only_allowed: bool
 
 
 class _Transport:
@@ -57,8 +100,9 @@ class MemoRuntime:
     """State shared by the decoder layers of one model under ``recompute="memo"``.
 
     Attributes:
-        attention_calls: attention forwards run by the executor (attention is never recomputed).
-        plan: the offload plan of the most recent layer shape.
+        attention_calls: attention forwards run by the executor (in forward, and in backward for layers
+            that keep their input only).
+        plan: the :class:`~hf_memo.planner.policy.MemoryPolicy` of the most recent layer shape.
         memory_plan: the memory plan whose arena serves the rounding and prefetch buffers (``planner`` on).
 
     Args:
@@ -76,50 +120,106 @@ class MemoRuntime:
         limit = config.host_memory_limit_bytes
         self.host_limit = limit if limit is not None else int(AUTO_HOST_FRACTION * psutil.virtual_memory().available)
         self.attention_calls = 0
-        self.plan: OffloadPlan | None = None
+        self.plan: MemoryPolicy | None = None
         self._decisions: dict[tuple, OffloadDecision] = {}
         self._fixed: OffloadDecision | None = None
+        self._policy: MemoryPolicy | None = None
         self._shape: dict[torch.device, tuple] = {}  # the step shape each device ran last
         self._bandwidth: dict[torch.device, float] = {}
         self._transports: dict[torch.device, _Transport] = {}
         # Weak: the graph holds a layer's stash until its backward; an aborted step must not outlive its graph.
         self._latest: dict[int, weakref.ref[LayerStash]] = {}
 
-    # -- offload plan ---------------------------------------------------------------------------------
+    # -- memory policy --------------------------------------------------------------------------------
     def alpha_chunks(
-        self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+        self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore, index: int
     ) -> int:
-        """Chunks (of ``bounds``, the executor's chunks) whose tokens are offloaded for a layer input ``x``
-        ``(B, S, H)`` whose attention runs through ``core``.
+        """Chunks (of ``bounds``, the executor's chunks) whose tokens layer ``index`` offloads for a layer input
+        ``x`` ``(B, S, H)`` whose attention runs through ``core``.
 
-        The first step of a new shape solves the offload (calibrating on ``x``) and then, with a
-        planner, plans memory for that offload. A step of another shape than the device's previous
-        one frees the host buffers the previous shape no longer needs.
+        The first step of a new shape decides the memory policy (measuring on ``x``) and then, with a
+        planner, plans memory for it. A step of another shape than the device's previous one frees the
+        host buffers the previous shape no longer needs.
         """
         key = _shape_key(x)
         if self._shape.get(x.device) != key:
             self._shape[x.device] = key
             self._transport(x.device).pool.trim()
         if key not in self._decisions:
-            decision = self._decisions[key] = self._fixed or self._decide(split, x, bounds, core)
+            decision = self._decisions[key] = self._fixed or self._solve(split, x, bounds, core)
             if self.config.planner != "off":
                 self._plan_memory(x.shape[0], x.shape[1], decision)
-        self.plan = self._decisions[key].plan
-        return quantise(self.plan.alpha, len(bounds))
+        self.plan = self._decisions[key].policy
+        return quantise(self.plan.layers[index].alpha, len(bounds))
 
     def offload_for(self, batch_size: int, seq_len: int) -> OffloadDecision | None:
-        """The offload solved for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens, if any yet."""
+        """The decision made for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens, if any yet."""
         return next((d for key, d in self._decisions.items() if key[0][:2] == (batch_size, seq_len)), None)
 
     def assume_offload(self, decision: OffloadDecision) -> None:
         """Use ``decision`` for every shape instead of solving (a profiling copy runs the real model's offload)."""
         self._fixed = decision
 
-    def _decide(
+    def assume_policy(self, policy: MemoryPolicy) -> None:
+        """Run ``policy`` (one :class:`~hf_memo.planner.policy.LayerPolicy` per decoder layer) for every step
+        shape from the next step on, instead of deciding one per shape. Whether the LM head's input goes to
+        the host is still decided per shape, from the host bytes the policy leaves."""
+        if len(policy.layers) != self.num_layers:
+            raise ValueError(
+                f"the memory policy has {len(policy.layers)} layer policies; the model has {self.num_layers} "
+                "decoder layers (one LayerPolicy per layer, bottom first)"
+            )
+        for index, layer in enumerate(policy.layers):
+            if not 0.0 <= layer.alpha <= 1.0:
+                raise ValueError(f"layer {index}'s policy has alpha={layer.alpha}; alpha must be in [0, 1]")
+        self._policy = policy
+        self._decisions.clear()
+
+    @property
+    def assumed_policy(self) -> MemoryPolicy | None:
+        """The policy given to :meth:`assume_policy`, if any."""
+        return self._policy
+
+    def _solve(
         self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
     ) -> OffloadDecision:
-        fixed, other = layer_bytes_per_token(split, x)
+        """The decision for ``x``'s shape: the assumed policy or :meth:`_decide`'s, and the LM head's offload."""
+        if self._policy is not None:
+            per_token, policy = layer_bytes_per_token(split, x), self._policy
+        else:
+            measured = self._measure(split, x, bounds, core)
+            per_token, policy = measured.per_token, self._decide(measured)
         tokens = x.shape[0] * x.shape[1]
+        host_bytes = sum(_kept_per_token(layer, per_token) for layer in policy.layers if layer.on_host) * tokens
+        return OffloadDecision(policy, host_bytes + x.numel() * x.element_size() <= self.host_limit)
+
+    def _decide(self, measured: StepMeasurements) -> MemoryPolicy:
+        """Every layer's policy for one step shape, from what was measured on it.
+
+        MEMO's LP (:func:`~hf_memo.runtime.alpha.solve_offload_fraction`): every layer keeps its input and
+        attention output; the lowest ``n - 2`` go to the host, the top two stay on the device, all with the
+        solved alpha.
+        """
+        per_token, tokens = measured.per_token, measured.tokens
+        plan = solve_offload_fraction(
+            measured.num_layers,
+            per_token.fixed * tokens,
+            per_token.other * tokens,
+            measured.host_budget,
+            bandwidth=measured.bandwidth,
+            layer_time=measured.layer_seconds,
+            requested=measured.requested_alpha,
+            device_budget=measured.device_budget,
+        )
+        layers = tuple(LayerPolicy(True, index < plan.swapped_layers, plan.alpha) for index in range(self.num_layers))
+        host_bytes = plan.swapped_layers * (per_token.fixed + plan.alpha * per_token.other) * tokens
+        return MemoryPolicy(layers, host_bytes=host_bytes, bound=plan.bound)
+
+    def _measure(
+        self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
+    ) -> StepMeasurements:
+        """Measure one layer on ``x`` ``(B, S, H)``: its bytes per token always; its forward time (and the
+        attention core's part) and the host bandwidth when alpha is to be solved; the device budget."""
         fraction = self.config.offload_fraction
         requested = None if fraction == "auto" else float(fraction)
         device_limit = self._device_limit(x.device)
@@ -136,18 +236,19 @@ class MemoRuntime:
         if device_limit is not None:
             workspace = 0 if timing is None else timing.workspace_bytes
             device_budget = device_limit - _device_in_use(x.device) - BACKWARD_WORKSPACE_FACTOR * workspace
-        plan = solve_offload_fraction(
-            self.num_layers,
-            fixed * tokens,
-            other * tokens,
-            self.host_limit,
+        return StepMeasurements(
+            num_layers=self.num_layers,
+            tokens=x.shape[0] * x.shape[1],
+            chunks=len(bounds),
+            per_token=layer_bytes_per_token(split, x),
+            layer_seconds=layer_time,
+            attention_seconds=None if timing is None else timing.attention_seconds,
             bandwidth=bandwidth,
-            layer_time=layer_time,
-            requested=requested,
+            host_budget=self.host_limit,
             device_budget=device_budget,
+            requested_alpha=requested,
+            x_only_allowed=not (x.is_cuda and split.dropout_p > 0),
         )
-        host_bytes = plan.swapped_layers * (fixed + plan.alpha * other) * tokens
-        return OffloadDecision(plan, host_bytes + x.numel() * x.element_size() <= self.host_limit)
 
     def _device_limit(self, device: torch.device) -> int | None:
         """Device bytes a step may use: the configured limit, or on CUDA for ``"auto"`` what is free plus what
@@ -187,15 +288,24 @@ class MemoRuntime:
 
     def open_stash(self, index: int, device: torch.device) -> LayerStash:
         transport = self._transport(device)
-        swapped = self.plan is not None and index < self.plan.swapped_layers
-        return LayerStash(index, swapped, transport.engine, transport.pool, transport.rounding, transport.prefetch)
+        layer = LayerPolicy(on_host=False) if self.plan is None else self.plan.layers[index]
+        return LayerStash(
+            index,
+            layer.on_host,
+            transport.engine,
+            transport.pool,
+            transport.rounding,
+            transport.prefetch,
+            keep_attention=layer.keep_attention,
+        )
 
     def open_head_stash(self, hidden: torch.Tensor) -> LayerStash | None:
         """A swapped stash for the LM head's input ``hidden`` ``(B, S, H)``, or ``None`` to keep it on the device.
 
         ``None`` when no layer of that shape has run yet or when the host limit has no room for it
         beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
-        imaginary layer ``n`` (layer ``n - 2``, which shares its buffers, is never swapped).
+        imaginary layer ``n``: those of layer ``n - 2`` (whose copies, if it is on the host, are done
+        before a buffer is reused).
         """
         decision = self._decisions.get(_shape_key(hidden))
         if decision is None or not decision.head_offloaded:
@@ -236,6 +346,14 @@ class MemoRuntime:
 
 def _shape_key(x: torch.Tensor) -> tuple:
     return tuple(x.shape), x.dtype, x.device
+
+
+def _kept_per_token(layer: LayerPolicy, per_token: LayerBytes) -> float:
+    """Bytes per token a layer under ``layer`` keeps. A layer keeping ``X`` only keeps, of its offloaded tokens,
+    their attention-output rows too (saved by the output projection), so ``S_attn`` counts with ``S_other``."""
+    if layer.keep_attention:
+        return per_token.fixed + layer.alpha * per_token.other
+    return per_token.input + layer.alpha * (per_token.attention + per_token.other)
 
 
 def _device_in_use(device: torch.device) -> int:

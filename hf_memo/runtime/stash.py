@@ -89,7 +89,11 @@ class DeviceSlots:
 
 
 class LayerStash:
-    """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``."""
+    """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``.
+
+    ``keep_attention`` tells the executor what the layer keeps: its attention output and statistics too,
+    or (``False``) its input only, attention being recomputed in backward.
+    """
 
     def __init__(
         self,
@@ -99,8 +103,9 @@ class LayerStash:
         pool: HostPool,
         rounding: DeviceSlots,
         prefetch: DeviceSlots,
+        keep_attention: bool = True,
     ) -> None:
-        self.index, self.swapped = index, swapped
+        self.index, self.swapped, self.keep_attention = index, swapped, keep_attention
         self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
         self._index_of: dict[int, int] = {}  # storage address -> position (the storages below keep it unique)
