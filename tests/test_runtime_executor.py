@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import LocalAttention, expand_kv
 from hf_memo.runtime.executor import MemoLayerFunction, project_rows
 from hf_memo.runtime.memo import MemoRuntime
@@ -75,10 +76,13 @@ def _run(fn, x, params, upstream):
     return y.detach(), [x.grad, *[p.grad for p in params]]
 
 
-def _memo(split, index, chunks, alpha_chunks, num_layers=3):
+def _memo(split, index, chunks, alpha_chunks, num_layers=3, keep_attention=True):
+    """Layer ``index`` of a runtime whose layer 0 is on the host, the others on the device; every layer keeps
+    its attention output, or (``keep_attention=False``) its input only."""
     runtime = MemoRuntime(MemoConfig(recompute="memo"), num_layers)
+    runtime.assume_policy(MemoryPolicy(tuple(LayerPolicy(keep_attention, i == 0) for i in range(num_layers))))
     x = torch.zeros(1, 1, HIDDEN, dtype=torch.float64)
-    runtime.alpha_chunks(split, x, [(0, 1)], LocalAttention, 0)  # plan: layer 0 is swapped
+    runtime.alpha_chunks(split, x, [(0, 1)], LocalAttention, 0)
 
     def fn(x):
         return MemoLayerFunction.apply(
@@ -91,20 +95,21 @@ def _memo(split, index, chunks, alpha_chunks, num_layers=3):
 @pytest.mark.parametrize("seq,chunks", [(13, 4), (16, 8), (7, 1)])
 @pytest.mark.parametrize("alpha_chunks", ["none", "half", "all"])
 @pytest.mark.parametrize("index", [0, 2], ids=["swapped-layer", "device-layer"])
-def test_output_and_every_gradient_equal_plain_autograd(seq, chunks, alpha_chunks, index):
+@pytest.mark.parametrize("keep_attention", [True, False], ids=["X+attn", "X-only"])
+def test_output_and_every_gradient_equal_plain_autograd(seq, chunks, alpha_chunks, index, keep_attention):
     params = _params()
     split = ToySplit(params, torch.linspace(0.5, 1.5, seq, dtype=torch.float64))
     offloaded = {"none": 0, "half": chunks // 2, "all": chunks}[alpha_chunks]
     x = torch.randn(2, seq, HIDDEN, dtype=torch.float64)
     upstream = torch.randn(2, seq, HIDDEN, dtype=torch.float64)
     want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
-    fn, runtime = _memo(split, index, chunks, offloaded)
+    fn, runtime = _memo(split, index, chunks, offloaded, keep_attention=keep_attention)
     host_before = runtime.host_reserved_bytes  # what calibrating the offload plan left in the pool
     got_y, got_grads = _run(fn, x, params, upstream)
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert runtime.attention_calls == 1
+    assert runtime.attention_calls == (1 if keep_attention else 2)  # X only: attention again in backward
     assert (runtime.host_reserved_bytes > host_before) == (index == 0)
 
 
@@ -121,6 +126,46 @@ def test_recomputed_chunks_replay_their_dropout_masks():
     assert torch.equal(y_kept, y_recomputed)
     for got, want in zip(grads_recomputed, grads_kept):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunks,offloaded", [(4, 0), (4, 2), (3, 3)])
+def test_input_only_replays_the_attention_dropout_mask(chunks, offloaded):
+    params = _params()
+    split = ToySplit(params, torch.ones(12, dtype=torch.float64), dropout=0.5)
+    split.dropout_p = 0.3  # the CPU dropout core: its mask seed is drawn from the CPU generator
+    x = torch.randn(2, 12, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(2, 12, HIDDEN, dtype=torch.float64)
+    results = []
+    for keep_attention in (True, False):  # attention kept vs recomputed in backward: same masks, same gradients
+        torch.manual_seed(7)
+        fn, runtime = _memo(split, 0, chunks, offloaded, keep_attention=keep_attention)
+        results.append(_run(fn, x, params, upstream))
+        assert runtime.attention_calls == (1 if keep_attention else 2)
+        torch.manual_seed(7)
+        assert not torch.equal(_run(fn, x, params, upstream)[0], _run(fn, x, params, upstream)[0])  # masks differ
+    (y_kept, grads_kept), (y_recomputed, grads_recomputed) = results
+    # Not bitwise: an input-only layer's offloaded chunks project a contiguous copy of their attention rows.
+    torch.testing.assert_close(y_recomputed, y_kept, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads_recomputed, grads_kept):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("offloaded", [0, 2, 4])
+def test_input_only_stashes_no_attention_output(monkeypatch, offloaded):
+    params = _params()
+    split = ToySplit(params, torch.ones(16, dtype=torch.float64))
+    x = torch.randn(2, 16, HIDDEN, dtype=torch.float64, requires_grad=True)
+    sealed = {}
+    monkeypatch.setattr(MemoRuntime, "sealed", lambda self, index, stash: sealed.setdefault(self, stash.raw_nbytes))
+    for keep_attention in (True, False):
+        fn, runtime = _memo(split, 2, 4, offloaded, keep_attention=keep_attention)
+        fn(x).sum().backward()
+        sealed[keep_attention] = sealed.pop(runtime)
+    attention_output, statistics = x.shape[0] * x.shape[1] * HEADS * (HEAD_DIM + 1) * 8, 0
+    offloaded_rows = offloaded / 4 * x.shape[0] * x.shape[1] * HEADS * HEAD_DIM * 8  # o_proj's input, per chunk
+    assert sealed[False] == sealed[True] - attention_output - statistics + offloaded_rows
+    if offloaded == 0:
+        assert sealed[False] == x.numel() * 8  # the layer input only
 
 
 @pytest.mark.parametrize("index,freed", [(0, True), (2, False)], ids=["swapped-layer", "device-layer"])

@@ -10,8 +10,10 @@ import torch
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.offload import PAGE, CopyEngine, HostPool
 from tests.conftest import build_model
@@ -69,3 +71,20 @@ def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers
         warnings.simplefilter("ignore")  # the workspace may leave less than the layers' fixed bytes
         limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
     assert limited.plan.bound == "device memory" and limited.plan.layers[0].alpha < 0.5
+
+
+def test_input_only_layers_refuse_attention_dropout_on_cuda():
+    """The CUDA kernels' dropout RNG state cannot be fed back to their forward: an input-only layer would
+    recompute attention with another mask, so it is refused with a clear error."""
+    device = torch.device("cuda")
+    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2, attention_dropout=0.1).cuda()
+    x = torch.randn(1, 64, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(64, device=device)[None]))
+    assert split.dropout_p == 0.1
+    runtime = MemoRuntime(MemoConfig(recompute="memo"), num_layers=2)
+    runtime.assume_policy(MemoryPolicy((LayerPolicy(keep_attention=False), LayerPolicy(on_host=False))))
+    bounds = chunk_bounds(64, 2)
+    chunks = runtime.alpha_chunks(split, x, bounds, LocalAttention, 0)
+    params = list(model.model.layers[0].parameters())
+    with pytest.raises(ValueError, match="keep_attention=True is needed with attention dropout on CUDA"):
+        MemoLayerFunction.apply(runtime, split, LocalAttention, 0, bounds, chunks, x, *params)
