@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import is_fake
 import hf_memo
 from hf_memo.patches.apply import memo_runtime
 from hf_memo.patches.planning import plan_training_step
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime import memo
 from hf_memo.runtime.calibration import LayerForward
 from hf_memo.runtime.memo import MemoRuntime
@@ -112,3 +113,24 @@ def test_the_plan_is_made_for_the_offload_the_real_model_solved(monkeypatch):
         "head_offloaded": True,
     }
     assert {chunks for fake, chunks in seen if fake} == {chunks for fake, chunks in seen if not fake} == {4}
+
+
+def test_the_profiling_copy_runs_the_policy_the_real_model_assumes():
+    model = _memo_model()
+    runtime = memo_runtime(model)
+    policy = MemoryPolicy(
+        (
+            LayerPolicy(keep_attention=False, on_host=True, alpha=0.5),
+            LayerPolicy(keep_attention=True, on_host=True, alpha=0.0),
+            LayerPolicy(keep_attention=False, on_host=False, alpha=1.0),
+            LayerPolicy(keep_attention=True, on_host=True, alpha=0.25),
+            LayerPolicy(keep_attention=True, on_host=False, alpha=0.0),
+        )
+    )
+    runtime.assume_policy(policy)
+    early = plan_training_step(model, 2, 16, progress=False)  # before the real model ran: the assumed policy
+    layers = [{"keep_attention": p.keep_attention, "on_host": p.on_host, "alpha": p.alpha} for p in policy.layers]
+    assert early.meta["offload"]["layers"] == layers
+    runtime.attach_memory_plan(early)
+    model(input_ids=make_batch(2, 16)[0], labels=make_batch(2, 16)[1]).loss.backward()
+    assert runtime.plan is policy and runtime.memory_plan is early  # made for what the real step ran: kept

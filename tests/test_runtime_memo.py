@@ -12,6 +12,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
 from hf_memo.planner.plan import MemoryPlan
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
@@ -36,6 +37,84 @@ def test_offload_plan_is_solved_once_per_shape_and_swaps_all_but_the_last_two_la
     plan = runtime.plan
     assert _on_host(plan) == 4 and {layer.alpha for layer in plan.layers} == {0.5}
     assert runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 8), LocalAttention, 0) == 4 and runtime.plan is plan
+
+
+def test_a_new_shape_is_solved_again_and_a_known_one_is_not():
+    split, short = _split_and_input(seq=16)
+    long_split, long = _split_and_input(seq=48)
+    kept = layer_bytes_per_token(split, short)
+    host = 4 * (kept.fixed + 0.5 * kept.other) * 16  # four layers at alpha 1/2 of the short shape
+    runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=0.5, host_memory_limit=math.ceil(host)), 6)
+    runtime.alpha_chunks(split, short, chunk_bounds(16, 4), LocalAttention, 0)
+    first = runtime.plan
+    assert _on_host(first) == 4 and first.layers[0].alpha == 0.5
+    with pytest.warns(UserWarning, match="offload_fraction=0.5 needs more host memory"):
+        runtime.alpha_chunks(long_split, long, chunk_bounds(48, 4), LocalAttention, 0)
+    second = runtime.plan
+    assert second is not first and second.bound == "host memory" and second.layers[0].alpha < 0.5
+    runtime.alpha_chunks(split, short, chunk_bounds(16, 4), LocalAttention, 3)
+    assert runtime.plan is first  # decided once per shape
+    assert runtime.offload_for(1, 16).policy is first and runtime.offload_for(1, 48).policy is second
+
+
+def test_an_assumed_policy_is_checked_and_runs_for_every_shape():
+    runtime = MemoRuntime(MemoConfig(recompute="memo"), num_layers=3)
+    with pytest.raises(ValueError, match="has 2 layer policies; the model has 3 decoder layers"):
+        runtime.assume_policy(MemoryPolicy((LayerPolicy(),) * 2))
+    with pytest.raises(ValueError, match=r"layer 1's policy has alpha=1.5; alpha must be in \[0, 1\]"):
+        runtime.assume_policy(MemoryPolicy((LayerPolicy(), LayerPolicy(alpha=1.5), LayerPolicy())))
+    policy = MemoryPolicy((LayerPolicy(False, True, 0.5), LayerPolicy(True, False, 1.0), LayerPolicy(False, False)))
+    runtime.assume_policy(policy)
+    assert runtime.assumed_policy is policy
+    for seq in (16, 24):
+        split, x = _split_and_input(seq)
+        bounds = chunk_bounds(seq, 4)
+        assert [runtime.alpha_chunks(split, x, bounds, LocalAttention, i) for i in range(3)] == [2, 4, 0]
+        assert runtime.plan is policy
+        stashes = [runtime.open_stash(i, x.device) for i in range(3)]
+        assert [(s.keep_attention, s.swapped) for s in stashes] == [(False, True), (True, False), (False, False)]
+
+
+# One policy of each kind: X only and X + attention, on the host and on the device, alpha 0, 1/2, 1 and
+# fractions that are not whole chunks (1/3 and 0.7 of 4 chunks: 1 and 2 chunks).
+MIXED = MemoryPolicy(
+    (
+        LayerPolicy(keep_attention=False, on_host=True, alpha=0.0),
+        LayerPolicy(keep_attention=True, on_host=True, alpha=0.5),
+        LayerPolicy(keep_attention=False, on_host=False, alpha=1.0),
+        LayerPolicy(keep_attention=True, on_host=False, alpha=1 / 3),
+        LayerPolicy(keep_attention=False, on_host=True, alpha=0.7),
+        LayerPolicy(keep_attention=True, on_host=False, alpha=0.0),
+    )
+)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_mixed_policy_gives_the_unpatched_loss_and_gradients_over_steps_with_accumulation(family):
+    model = build_model(family, **({"n_layer": 6} if family == "gpt2" else {"num_hidden_layers": 6}))
+    reference = copy.deepcopy(model)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=4, lm_head_chunks=3)
+    runtime = hf_memo.memo_runtime(model)
+    runtime.assume_policy(MIXED)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(2):
+        batches = [make_batch(2, 19, seed=10 * step + micro) for micro in range(2)]
+        num_items = sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)
+        before = runtime.attention_calls
+        for ids, labels in batches:  # two micro-batches accumulated, the loss normalised over both
+            losses = [
+                m(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(num_items)).loss
+                for m in (model, reference)
+            ]
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)  # HF's loss is float32
+            for loss in losses:
+                loss.backward()
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+        assert runtime.plan is MIXED and runtime.offload_for(2, 19).head_offloaded and runtime.host_reserved_bytes > 0
+        assert runtime.attention_calls - before == 2 * (6 + 3)  # per micro-batch: 6 layers, 3 again in backward
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 def test_a_host_limit_too_small_for_any_layer_keeps_every_layer_on_the_device():
