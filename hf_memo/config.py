@@ -47,7 +47,7 @@ class MemoConfig:
             host bandwidth and host memory).
         host_memory_limit: host bytes offloading may use: an int, a size string such as
             ``"64GiB"``, or ``"auto"`` (a safe fraction of the available RAM).
-        device_memory_limit: device bytes a training step may use, for ``"memo"``'s offload fraction: an
+        device_memory_limit: device bytes a training step may use, for ``"memo"``'s memory policy: an
             int, a size string such as ``"70GiB"``, or ``"auto"`` (on CUDA, what ``torch.cuda.mem_get_info``
             reports free plus what PyTorch's allocator holds, at the first step of a shape; no limit on CPU).
         layer_time: seconds one decoder layer's forward takes; ``None`` measures it.
