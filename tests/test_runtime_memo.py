@@ -18,6 +18,7 @@ from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
+from tests.test_patches_packing import packed_row, padded_batch
 
 
 def _on_host(policy):
@@ -115,6 +116,28 @@ def test_a_mixed_policy_gives_the_unpatched_loss_and_gradients_over_steps_with_a
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("batch", ["packed", "right-padded", "left-padded"])
+def test_input_only_layers_recompute_per_sample_attention_exactly(batch):
+    """Packed and padded rows attend per sample: an input-only layer recomputes that attention in backward."""
+    reference = build_model("llama", num_hidden_layers=3)
+    model = hf_memo.apply(copy.deepcopy(reference), recompute="memo", mlp_chunks=3, lm_head_chunks=2)
+    runtime = hf_memo.memo_runtime(model)
+    runtime.assume_policy(
+        MemoryPolicy((LayerPolicy(False, True, 0.5), LayerPolicy(True, True, 1.0), LayerPolicy(False, False, 0.0)))
+    )
+    if batch == "packed":
+        samples, labels, ids, packed_labels, positions, num_items = packed_row()
+        model(input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items).loss.backward()
+        for sample, label in zip(samples, labels):
+            reference(input_ids=sample[None], labels=label[None], num_items_in_batch=num_items).loss.backward()
+    else:
+        ids, labels, mask = padded_batch(batch.split("-")[0])
+        for m in (model, reference):
+            m(input_ids=ids, labels=labels, attention_mask=mask).loss.backward()
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert runtime.attention_calls == 3 + 2
 
 
 def test_a_host_limit_too_small_for_any_layer_keeps_every_layer_on_the_device():
