@@ -1,0 +1,69 @@
+"""Tests that pass stock but not under an hf_memo mode, each sorted into why."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.transformers_suite.junit import Outcome
+
+# Why a test that passes stock does not pass under hf_memo. Checked in this order.
+CATEGORIES = {
+    "hf-checkpointing": (
+        "Hugging Face gradient checkpointing under an hf_memo recompute mode is refused (issue 13)",
+        re.compile(r"cannot be combined with Hugging Face gradient checkpointing"),
+    ),
+    "needs-issue-14": (
+        "recompute='memo' refuses attention masks (padding, packing): packed/padded support is issue 14",
+        re.compile(r"recompute='memo' runs causal self-attention over whole sequences"),
+    ),
+    "memo-attention-dropout": (
+        "recompute='memo' refuses attention dropout in training (issue 13)",
+        re.compile(r"recompute='memo' computes attention without dropout"),
+    ),
+    "memo-sliding-window": (
+        "recompute='memo' refuses sequences longer than a sliding window",
+        re.compile(r"recompute='memo' computes full causal attention"),
+    ),
+    "logits-by-design": (
+        "reads `logits` of a training forward with labels, which hf_memo returns as None by design",
+        re.compile(r"NoneType|logits.*None|None.*logits"),
+    ),
+}
+REGRESSION = "regression"
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A test passing stock whose outcome under ``mode``/``level`` is ``status`` (failed, error or skipped)."""
+
+    test: str
+    mode: str
+    level: str
+    status: str
+    category: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def categorise(message: str) -> str:
+    """The key of :data:`CATEGORIES` whose pattern ``message`` matches, else :data:`REGRESSION`."""
+    for name, (_, pattern) in CATEGORIES.items():
+        if pattern.search(message):
+            return name
+    return REGRESSION
+
+
+def differences(stock: dict[str, Outcome], patched: dict[str, Outcome], mode: str, level: str) -> list[Difference]:
+    """Tests passing in ``stock`` that do not pass in ``patched`` (missing there counts as an error)."""
+    found = []
+    for test, outcome in sorted(stock.items()):
+        if outcome.status != "passed":
+            continue
+        other = patched.get(test, Outcome("error", "not run (test missing from the report)"))
+        if other.status != "passed":
+            found.append(Difference(test, mode, level, other.status, categorise(other.message), other.message))
+    return found

@@ -1,0 +1,50 @@
+"""Per-test outcomes from a pytest JUnit XML report."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+STATUSES = ("passed", "skipped", "failed", "error")  # ordered from best to worst
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One test's result: ``status`` (one of :data:`STATUSES`) and the first line of its failure or skip message."""
+
+    status: str
+    message: str = ""
+
+
+def _first_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _outcome(case: ET.Element) -> Outcome:
+    for tag, status in (("error", "error"), ("failure", "failed"), ("skipped", "skipped")):
+        node = case.find(tag)
+        if node is not None:
+            return Outcome(status, _first_line(node.get("message")) or _first_line(node.text))
+    return Outcome("passed")
+
+
+def test_id(case: ET.Element) -> str:
+    """``path/of/module.py::Class::test_name`` of a ``<testcase>`` (pytest writes the class path dotted)."""
+    parts = case.get("classname", "").split(".")
+    module, classes = parts, []
+    while module and module[-1][:1].isupper():  # trailing capitalised parts are test classes
+        classes.insert(0, module.pop())
+    return "::".join(["/".join(module) + ".py", *classes, case.get("name", "")])
+
+
+def read_outcomes(path: Path) -> dict[str, Outcome]:
+    """Every test in the report at ``path`` by id; a test reported more than once (subtests) keeps its worst outcome."""
+    outcomes: dict[str, Outcome] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        key, new = test_id(case), _outcome(case)
+        old = outcomes.get(key)
+        if old is None or STATUSES.index(new.status) > STATUSES.index(old.status):
+            outcomes[key] = new
+    return outcomes
