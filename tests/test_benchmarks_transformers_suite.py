@@ -13,7 +13,7 @@ import hf_memo
 from benchmarks.transformers_suite import plugin
 from benchmarks.transformers_suite.__main__ import main
 from benchmarks.transformers_suite.compare import REGRESSION, categorise, differences
-from benchmarks.transformers_suite.junit import Outcome, read_outcomes
+from benchmarks.transformers_suite.junit import Outcome, read_outcomes, read_seconds
 from tests.conftest import FAMILY_BUILDERS
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -26,21 +26,25 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
   <skipped message="needs a GPU"/></testcase>
 <testcase classname="tests.models.llama.test_modeling_llama.LlamaModelTest" name="test_err" time="0.0">
   <error message="">ValueError: bad setup</error></testcase>
-</testsuite></testsuites>
+<testcase classname="tests.models.llama.test_modeling_llama.LlamaModelTest" name="test_subtests" time="0.5">
+  <failure message="ValueError: one">trace</failure><failure message="KeyError: two">trace</failure></testcase>
+</testsuite><testsuite name="pytest" time="1.25"/></testsuites>
 """
 PREFIX = "tests/models/llama/test_modeling_llama.py::LlamaModelTest::"
 
 
-def test_read_outcomes_keeps_the_worst_outcome_and_the_first_message_line(tmp_path):
+def test_read_outcomes_keeps_the_worst_outcome_every_failure_and_first_message_lines(tmp_path):
     report = tmp_path / "r.xml"
     report.write_text(JUNIT)
     outcomes = read_outcomes(report)
     assert outcomes == {
         PREFIX + "test_ok": Outcome("passed"),
-        PREFIX + "test_sub": Outcome("failed", "AssertionError: 1 != 2"),
+        PREFIX + "test_sub": Outcome("failed", "AssertionError: 1 != 2", ("AssertionError: 1 != 2",)),
         PREFIX + "test_skip": Outcome("skipped", "needs a GPU"),
-        PREFIX + "test_err": Outcome("error", "ValueError: bad setup"),
+        PREFIX + "test_err": Outcome("error", "ValueError: bad setup", ("ValueError: bad setup",)),
+        PREFIX + "test_subtests": Outcome("failed", "ValueError: one", ("ValueError: one", "KeyError: two")),
     }
+    assert read_seconds(report) == 1.25
 
 
 @pytest.mark.parametrize(
@@ -67,6 +71,15 @@ def test_differences_lists_only_tests_passing_stock():
         ("d", "error", "not run (test missing from the report)"),
     ]
     assert {(d.mode, d.level) for d in found} == {("memo", "class")}
+
+
+def test_differences_lists_new_failures_of_tests_already_failing_stock():
+    dropout = "ValueError: recompute='memo' computes attention without dropout; x"
+    stock = {"t": Outcome("failed", "KeyError: a", ("KeyError: a",))}
+    patched = {"t": Outcome("failed", dropout, (dropout, "KeyError: a"))}
+    found = differences(stock, patched, "memo", "instance")
+    assert [(d.status, d.category) for d in found] == [("new-failure", "memo-attention-dropout")]
+    assert differences(stock, stock, "memo", "instance") == []
 
 
 @pytest.mark.parametrize("level", plugin.LEVELS)

@@ -17,13 +17,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import transformers
 
 from benchmarks.transformers_suite.compare import CATEGORIES, REGRESSION, Difference, differences
-from benchmarks.transformers_suite.junit import STATUSES, Outcome, read_outcomes
+from benchmarks.transformers_suite.junit import STATUSES, Outcome, read_outcomes, read_seconds
 from benchmarks.transformers_suite.plugin import LEVELS, MODES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,25 +45,28 @@ PATCHED = re.compile(rb"hf_memo patched (\d+) of (\d+) supported causal LMs buil
 
 
 def run_pytest(family: str, mode: str, level: str, args: argparse.Namespace) -> dict:
-    """Run one family under one (mode, level): outcomes by test id, wall seconds, (patched, built) models."""
+    """Run one family under one (mode, level): outcomes by test id, test seconds, (patched, built) models.
+
+    With ``--reuse``, a run whose report and log are already in ``--out`` is read instead of run again.
+    """
     name = f"{family}-{mode}" if mode == "stock" else f"{family}-{mode}-{level}"
-    report = args.out / "junit" / f"{name}.xml"
-    report.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    start = time.perf_counter()
-    done = subprocess.run(
-        pytest_command(family, mode, level, report, args), cwd=args.transformers_root, env=env, capture_output=True
-    )
-    seconds = time.perf_counter() - start
-    (args.out / "logs").mkdir(exist_ok=True)
-    (args.out / "logs" / f"{name}.log").write_bytes(done.stdout + done.stderr)
-    if not report.exists():
-        log = args.out / "logs" / f"{name}.log"
-        raise RuntimeError(f"pytest wrote no report for {name} (exit {done.returncode}); see {log}")
-    patched = PATCHED.search(done.stdout)
+    report, log = args.out / "junit" / f"{name}.xml", args.out / "logs" / f"{name}.log"
+    if not (args.reuse and report.exists() and log.exists()):
+        report.parent.mkdir(parents=True, exist_ok=True)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        report.unlink(missing_ok=True)
+        done = subprocess.run(
+            pytest_command(family, mode, level, report, args), cwd=args.transformers_root, env=env, capture_output=True
+        )
+        log.write_bytes(done.stdout + done.stderr)
+        if not report.exists():
+            raise RuntimeError(f"pytest wrote no report for {name} (exit {done.returncode}); see {log}")
+    patched = PATCHED.search(log.read_bytes())
     models = [int(patched.group(1)), int(patched.group(2))] if patched else None
-    print(f"{name}: {seconds:.0f} s, exit {done.returncode}, patched/built models {models}", flush=True)
+    seconds = read_seconds(report)
+    print(f"{name}: tests took {seconds:.0f} s, patched/built models {models}", flush=True)
     return dict(outcomes=read_outcomes(report), seconds=seconds, models=models)
 
 
@@ -80,7 +82,7 @@ def markdown(summary: dict) -> str:
         f"Settings: mlp_chunks = lm_head_chunks = {summary['chunks']}, memo offload_fraction = "
         f"{summary['offload_fraction']}, -k {summary['k'] or '(all)'}.",
         "",
-        "| family | mode | level | passed | skipped | failed | error | seconds | causal LMs patched / built "
+        "| family | mode | level | passed | skipped | failed | error | test seconds | causal LMs patched / built "
         "| differences from stock |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload-fraction", type=float, default=0.5)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--out", type=Path, default=Path("transformers_suite_out"))
+    parser.add_argument("--reuse", action="store_true", help="read runs whose report is already in --out")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # pytest runs in --transformers-root
     args.out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,9 @@ REGRESSION = "regression"
 
 @dataclass(frozen=True)
 class Difference:
-    """A test passing stock whose outcome under ``mode``/``level`` is ``status`` (failed, error or skipped)."""
+    """A test passing stock whose outcome under ``mode``/``level`` is ``status`` (failed, error or skipped), or a
+    test already failing stock (some of its subtests) with a failure stock does not have (``status`` "new-failure").
+    """
 
     test: str
     mode: str
@@ -57,13 +59,31 @@ def categorise(message: str) -> str:
     return REGRESSION
 
 
+def _new_failures(stock: Outcome, patched: Outcome) -> list[str]:
+    """Failures of ``patched`` that ``stock`` does not have (each stock failure excuses one equal failure)."""
+    excused = list(stock.failures)
+    new = []
+    for failure in patched.failures:
+        if failure in excused:
+            excused.remove(failure)
+        else:
+            new.append(failure)
+    return new
+
+
 def differences(stock: dict[str, Outcome], patched: dict[str, Outcome], mode: str, level: str) -> list[Difference]:
-    """Tests passing in ``stock`` that do not pass in ``patched`` (missing there counts as an error)."""
+    """Tests passing in ``stock`` that do not pass in ``patched`` (missing there counts as an error), and tests
+    failing in ``stock`` that fail in ``patched`` with failures of their own (a subtest that passed stock)."""
     found = []
     for test, outcome in sorted(stock.items()):
-        if outcome.status != "passed":
+        if outcome.status == "skipped":
             continue
         other = patched.get(test, Outcome("error", "not run (test missing from the report)"))
-        if other.status != "passed":
+        if outcome.status == "passed" and other.status != "passed":
             found.append(Difference(test, mode, level, other.status, categorise(other.message), other.message))
+        elif outcome.status != "passed":
+            found += [
+                Difference(test, mode, level, "new-failure", categorise(message), message)
+                for message in _new_failures(outcome, other)
+            ]
     return found

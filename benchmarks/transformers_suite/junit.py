@@ -11,10 +11,12 @@ STATUSES = ("passed", "skipped", "failed", "error")  # ordered from best to wors
 
 @dataclass(frozen=True)
 class Outcome:
-    """One test's result: ``status`` (one of :data:`STATUSES`) and the first line of its failure or skip message."""
+    """One test's result: ``status`` (one of :data:`STATUSES`), the first line of its first failure or skip
+    message, and the first lines of all its failures and errors (one per failed subtest)."""
 
     status: str
     message: str = ""
+    failures: tuple[str, ...] = ()
 
 
 def _first_line(text: str | None) -> str:
@@ -22,11 +24,16 @@ def _first_line(text: str | None) -> str:
     return lines[0] if lines else ""
 
 
+def _message(node: ET.Element) -> str:
+    return _first_line(node.get("message")) or _first_line(node.text)
+
+
 def _outcome(case: ET.Element) -> Outcome:
+    failures = tuple(_message(node) for node in case if node.tag in ("error", "failure"))
     for tag, status in (("error", "error"), ("failure", "failed"), ("skipped", "skipped")):
         node = case.find(tag)
         if node is not None:
-            return Outcome(status, _first_line(node.get("message")) or _first_line(node.text))
+            return Outcome(status, _message(node), failures)
     return Outcome("passed")
 
 
@@ -40,11 +47,19 @@ def test_id(case: ET.Element) -> str:
 
 
 def read_outcomes(path: Path) -> dict[str, Outcome]:
-    """Every test in the report at ``path`` by id; a test reported more than once (subtests) keeps its worst outcome."""
+    """Every test in the report at ``path`` by id. A test reported more than once keeps its worst outcome and
+    the failures of all its reports."""
     outcomes: dict[str, Outcome] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         key, new = test_id(case), _outcome(case)
         old = outcomes.get(key)
-        if old is None or STATUSES.index(new.status) > STATUSES.index(old.status):
-            outcomes[key] = new
+        if old is not None:
+            worst = max(old, new, key=lambda o: STATUSES.index(o.status))
+            new = Outcome(worst.status, worst.message, old.failures + new.failures)
+        outcomes[key] = new
     return outcomes
+
+
+def read_seconds(path: Path) -> float:
+    """Seconds the tests in the report at ``path`` took, as pytest measured them (start-up not included)."""
+    return sum(float(suite.get("time", 0)) for suite in ET.parse(path).getroot().iter("testsuite"))
