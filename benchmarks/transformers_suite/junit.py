@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 STATUSES = ("passed", "skipped", "failed", "error")  # ordered from best to worst
@@ -17,6 +17,7 @@ class Outcome:
     status: str
     message: str = ""
     failures: tuple[str, ...] = ()
+    trace: str = field(default="", compare=False)  # the reports' failure texts (tracebacks), for sorting causes
 
 
 def _first_line(text: str | None) -> str:
@@ -29,11 +30,13 @@ def _message(node: ET.Element) -> str:
 
 
 def _outcome(case: ET.Element) -> Outcome:
-    failures = tuple(_message(node) for node in case if node.tag in ("error", "failure"))
+    failed = [node for node in case if node.tag in ("error", "failure")]
+    failures = tuple(_message(node) for node in failed)
+    trace = "\n".join(node.text or "" for node in failed)
     for tag, status in (("error", "error"), ("failure", "failed"), ("skipped", "skipped")):
         node = case.find(tag)
         if node is not None:
-            return Outcome(status, _message(node), failures)
+            return Outcome(status, _message(node), failures, trace)
     return Outcome("passed")
 
 
@@ -55,7 +58,7 @@ def read_outcomes(path: Path) -> dict[str, Outcome]:
         old = outcomes.get(key)
         if old is not None:
             worst = max(old, new, key=lambda o: STATUSES.index(o.status))
-            new = Outcome(worst.status, worst.message, old.failures + new.failures)
+            new = Outcome(worst.status, worst.message, old.failures + new.failures, old.trace + "\n" + new.trace)
         outcomes[key] = new
     return outcomes
 
