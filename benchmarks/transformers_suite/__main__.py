@@ -82,6 +82,7 @@ def markdown(summary: dict) -> str:
         f"Settings: mlp_chunks = lm_head_chunks = {summary['chunks']}, memo offload_fraction = "
         f"{summary['offload_fraction']}, -k {summary['k'] or '(all)'}.",
         "",
+        *([f"Test files: {summary['source']}", ""] if summary.get("source") else []),
         "| family | mode | level | passed | skipped | failed | error | test seconds | causal LMs patched / built "
         "| differences from stock |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--out", type=Path, default=Path("transformers_suite_out"))
     parser.add_argument("--reuse", action="store_true", help="read runs whose report is already in --out")
+    parser.add_argument("--source", default="", help="where the test files came from (written into the report)")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # pytest runs in --transformers-root
     args.out.mkdir(parents=True, exist_ok=True)
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         chunks=args.chunks,
         offload_fraction=args.offload_fraction,
         k=args.k,
+        source=args.source,
         runs=[],
         differences=[],
     )
