@@ -34,8 +34,22 @@ from hf_memo.zero3 import check_not_zero3
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters of ``module`` that currently require a gradient."""
-    return [p for p in module.parameters() if p.requires_grad]
+    """Parameters of ``module`` that currently require a gradient.
+
+    Raises:
+        ValueError: ``module`` has no parameters at all: a wrapper flattened them away (FSDP1 with
+            ``use_orig_params=False`` holds them in one flat parameter outside the module), so hf_memo's
+            autograd functions could not return their gradients.
+    """
+    params = list(module.parameters())
+    if not params:
+        raise ValueError(
+            f"hf_memo found no parameters in {type(module).__name__} during a training forward: FSDP (version 1) "
+            "with use_orig_params=False flattens them into one parameter outside the module, and their gradients "
+            "would be lost. Use FullyShardedDataParallel(..., use_orig_params=True) (Accelerate: "
+            "fsdp_use_orig_params: true), or FSDP2 (torch.distributed.fsdp.fully_shard)"
+        )
+    return [p for p in params if p.requires_grad]
 
 
 def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
