@@ -117,6 +117,27 @@ def test_a_training_forward_without_labels_keeps_packed_samples_apart(recompute,
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_right_padding_with_targets_trains_as_transformers_does(recompute):
+    """transformers' model tests label right padding (``labels = input_ids`` with a lower-triangular mask): its
+    padding tokens attend to the real tokens before them, which only transformers' masks compute."""
+    reference = build_model("llama", num_hidden_layers=2)
+    model = _apply(copy.deepcopy(reference), recompute, None)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.tril(torch.ones_like(ids))[:3]
+    got = _step(model, input_ids=ids, labels=ids, attention_mask=mask)
+    want = _step(reference, input_ids=ids, labels=ids, attention_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_memo_refuses_right_padding_with_targets_naming_the_ignore_index():
+    model = _apply(build_model("llama", num_hidden_layers=2), "memo", 0.5)
+    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="padding tokens after real ones with targets .* -100"):
+        model(input_ids=ids, labels=ids, attention_mask=torch.tril(torch.ones_like(ids))[:3])
+
+
 def test_a_cache_asked_for_in_a_training_step_still_keeps_samples_apart():
     reference = build_model("llama")
     model = _apply(copy.deepcopy(reference), "memo", 0.5)

@@ -32,11 +32,11 @@ def test_left_and_right_padding_leave_the_padding_out():
     assert not layout.packed and layout.real_tokens(4) == 11
 
 
-def test_a_left_padding_token_may_have_a_target_but_not_a_right_padding_one():
+def test_a_right_padding_token_with_a_target_is_marked_a_left_padding_one_is_not():
     mask = torch.tensor([[0, 1, 1, 0]])
-    describe_batch(1, 4, mask, shift_labels=torch.tensor([[5, 6, -100, -100]]))  # first token predicts a real one
-    with pytest.raises(ValueError, match="a padding token after real tokens .* has a target"):
-        describe_batch(1, 4, mask, shift_labels=torch.tensor([[-100, 6, 7, 8]]))
+    left = describe_batch(1, 4, mask, shift_labels=torch.tensor([[5, 6, -100, -100]]))  # predicts a real token
+    right = describe_batch(1, 4, mask, shift_labels=torch.tensor([[-100, 6, 7, 8]]))
+    assert not left.padding_attends and right.padding_attends and right.rows == left.rows
 
 
 def test_masked_tokens_between_real_ones_are_refused():

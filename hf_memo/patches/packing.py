@@ -43,7 +43,9 @@ def describe_training_batch(
         The arguments with the layout added (none for a 4-D ``attention_mask``, which transformers
         applies as given) and without an ``attention_mask`` that marks no padding. When the model
         attends per sample (:mod:`.sample_attention`) and the layout is not plain, the mask is an
-        empty 4-D one: transformers takes it as given and builds none.
+        empty 4-D one: transformers takes it as given and builds none. A batch whose padding after
+        real tokens has targets (``padding_attends``) keeps its mask and gets ``None`` as its layout:
+        transformers' own masks give those padding tokens the attention it trains them with.
 
     Raises:
         ValueError: see :func:`describe_batch`; also padding together with packed samples where
@@ -61,6 +63,14 @@ def describe_training_batch(
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
     implementation = model.config._attn_implementation
+    if layout.padding_attends:
+        if layout.packed:
+            raise ValueError(
+                "a padding token after real tokens (attention_mask 0) has a target in the labels of a batch with "
+                "packed samples; label padding with the ignore index (-100)"
+            )
+        # One sample per row: transformers' own masks give its padding tokens their attention (no layout to use).
+        return {**arguments, LAYOUT_KEYWORD: None}
     if needs_masks_transformers_lacks(layout, batch) and not (per_sample or attends_per_sample(model)):
         raise ValueError(
             "this batch has padding (attention_mask zeros) and packed samples (position_ids restarting inside a "

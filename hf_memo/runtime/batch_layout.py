@@ -31,10 +31,14 @@ class BatchLayout:
         length: ``S``, the row length.
         rows: per row, the ``(start, stop)`` span of each sample in order; ``None`` when every row is
             one sample over the whole row (plain causal attention, nothing to look up).
+        padding_attends: a padding token after real tokens has a target: transformers lets it attend to the
+            real tokens before it, which only transformers' own masks compute (per-sample attention gives
+            padding no output).
     """
 
     length: int
     rows: tuple[tuple[Span, ...], ...] | None = None
+    padding_attends: bool = False
 
     @property
     def plain(self) -> bool:
@@ -99,12 +103,13 @@ def describe_batch(
         shift_labels: ``(B, S)`` next-token targets (``ignore_index`` for none), to check that no
             padding token after a real one has a target.
 
+    A padding token after real ones with a target (transformers lets it attend to the real tokens
+    before it, which padding-free attention does not) sets ``padding_attends``. Padding together with
+    packed samples gives a layout, though transformers' own masks would let those samples attend to
+    each other (see :func:`needs_masks_transformers_lacks`).
+
     Raises:
-        ValueError: a mask that is not 2-D or not left/right padding, or a padding token after real
-            ones with a target (transformers lets it attend to the real tokens before it, which
-            padding-free attention does not). Padding together with packed samples gives a layout,
-            though transformers' own masks would let those samples attend to each other (see
-            :func:`needs_masks_transformers_lacks`).
+        ValueError: a mask that is not 2-D or not left/right padding.
     """
     if attention_mask is None and position_ids is None:
         return BatchLayout(length)
@@ -141,11 +146,7 @@ def _layout_from_host(real: torch.Tensor, positions: torch.Tensor, counted: torc
     jumps[:, 1:] = positions.diff(dim=1) != 1
     starts = real & (jumps | ~previous_real)
     padded = masked and not bool(real.all())
-    if bool((counted & ~real & (real.cumsum(dim=1) > 0)).any()):
-        raise ValueError(
-            "a padding token after real tokens (attention_mask 0) has a target in the labels; label padding with "
-            "the ignore index (-100)"
-        )
+    padding_attends = bool((counted & ~real & (real.cumsum(dim=1) > 0)).any())
     if not padded and int(starts.sum()) == batch:
         return BatchLayout(length)
     rows = []
@@ -153,4 +154,4 @@ def _layout_from_host(real: torch.Tensor, positions: torch.Tensor, counted: torc
         first = starts[row].nonzero().flatten().tolist()
         stop = int(real[row].nonzero().max()) + 1 if first else 0
         rows.append(tuple(zip(first, first[1:] + [stop])))
-    return BatchLayout(length, tuple(rows))
+    return BatchLayout(length, tuple(rows), padding_attends)
