@@ -61,6 +61,18 @@ def padded_batch(side: str, seed=1):
     return ids, labels, mask
 
 
+def assert_packed_row_equals_samples_alone(model, reference):
+    """One step of ``model`` on :func:`packed_row` gives the loss and gradients of ``reference`` run on each sample."""
+    samples, labels, ids, packed_labels, positions, num_items = packed_row()
+    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items)
+    want = sum(
+        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
+        for sample, label in zip(samples, labels)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
 def _step(model, **batch):
     loss = model(**batch).loss
     loss.backward()
@@ -75,14 +87,7 @@ def _layers(family):
 def test_packed_row_equals_the_samples_run_alone(family, recompute, alpha):
     reference = build_model(family, **_layers(family))
     model = _apply(copy.deepcopy(reference), recompute, alpha)
-    samples, labels, ids, packed_labels, positions, num_items = packed_row()
-    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items)
-    want = sum(
-        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
-        for sample, label in zip(samples, labels)
-    )
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert_packed_row_equals_samples_alone(model, reference)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -227,11 +232,4 @@ def test_per_sample_attention_runs_one_kernel_call_per_sample_and_layer_and_buil
 def test_eager_attention_keeps_transformers_masks_for_packed_and_padded_batches():
     reference = build_model("gpt2", attn_implementation="eager")
     model = _apply(copy.deepcopy(reference), "full", None)
-    samples, labels, ids, packed_labels, positions, num_items = packed_row()
-    got = _step(model, input_ids=ids, labels=packed_labels, position_ids=positions, num_items_in_batch=num_items)
-    want = sum(
-        _step(reference, input_ids=sample[None], labels=label[None], num_items_in_batch=num_items)
-        for sample, label in zip(samples, labels)
-    )
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert_packed_row_equals_samples_alone(model, reference)
