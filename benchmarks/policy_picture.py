@@ -29,7 +29,7 @@ def curves(per_layer_device: list[float], per_layer_host: list[float], base: flo
     device, host, dev_curve, host_curve = base, 0.0, [], []
     for d, h in zip(per_layer_device, per_layer_host):
         device, host = device + d, host + h
-        dev_curve.append(device + (buffers if h else 0.0))
+        dev_curve.append(device + (buffers if host else 0.0))
         host_curve.append(host)
     for d, h in reversed(list(zip(per_layer_device, per_layer_host))):
         dev_curve.append(device + (buffers if host else 0.0))
