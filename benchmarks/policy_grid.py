@@ -86,11 +86,15 @@ def markdown(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for cell in results["cells"]:
-        ratio = cell["memo_longest"] / cell["minseq_longest"] if cell["minseq_longest"] else float("inf")
+        ratio = f"{cell['memo_longest'] / cell['minseq_longest']:.2f}" if cell["minseq_longest"] else "-"
+        times = (
+            f"{cell['minseq_step_seconds']:.1f} s / {cell['memo_step_seconds']:.1f} s"
+            if cell["memo_step_seconds"] is not None
+            else "-"
+        )
         lines.append(
             f"| {cell['trainable']} | {cell['gpu_gib']} GiB | {cell['host_gib']} GiB | {cell['minseq_longest']:,} | "
-            f"{cell['memo_longest']:,} | {ratio:.2f} | {cell['memo_policy']} | "
-            f"{cell['minseq_step_seconds']:.1f} s / {cell['memo_step_seconds']:.1f} s |"
+            f"{cell['memo_longest']:,} | {ratio} | {cell['memo_policy']} | {times} |"
         )
     lines += [
         "",
@@ -103,14 +107,19 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Llama, for a smoke run")
+    parser.add_argument(
+        "--trainable", choices=TRAINABLE, default=None, help="one setting only (writes policy_grid_<it>.*)"
+    )
     add_out_option(parser)
     args = parser.parse_args()
+    trainables = TRAINABLE if args.trainable is None else (args.trainable,)
+    stem = "policy_grid" if args.trainable is None else f"policy_grid_{args.trainable}"
     date, out = results_folder(args.out)
     config = tiny_llama(6) if args.tiny else builtin_config("llama-3-8b")
     unit = 2**20 if args.tiny else GiB
     gpu = gpu_of(DEFAULT_GPU)
     start_len = 1024 if args.tiny else 32768
-    cells_planned = len(GPU_GIB) * len(HOST_GIB) * len(TRAINABLE)
+    cells_planned = len(GPU_GIB) * len(HOST_GIB) * len(trainables)
     results = {
         "model": "tiny Llama (6 layers)" if args.tiny else "Llama-3-8B",
         "gpu": gpu.name,
@@ -121,7 +130,7 @@ def main() -> None:
         "seconds": 0.0,
     }
     started = time.perf_counter()
-    for trainable in TRAINABLE:
+    for trainable in trainables:
         minseq, memo_profiler = profilers(config, trainable)
         memo = MemoModel(memo_profiler, 1, gpu, allow_x_only=True)
         for gpu_gib in GPU_GIB:
@@ -130,10 +139,12 @@ def main() -> None:
                 gpu_bytes, host_bytes = gpu_gib * unit, host_gib * unit
                 base = profiled_mode_estimate("minseq", minseq, start_len, gpu_bytes, host_bytes, True, 1 << 24, gpu)
                 longest = memo_mode_estimate(memo, start_len, gpu_bytes, host_bytes, True, 1 << 24).longest_seq_len
-                at = memo_mode_estimate(memo, longest, gpu_bytes, host_bytes, False, 1 << 24)
-                minseq_at = profiled_mode_estimate(
-                    "minseq", minseq, longest, gpu_bytes, host_bytes, False, 1 << 24, gpu
-                )
+                at = minseq_at = None  # nothing fits at all (e.g. full fine-tuning's weights alone): no step
+                if longest:
+                    at = memo_mode_estimate(memo, longest, gpu_bytes, host_bytes, False, 1 << 24)
+                    minseq_at = profiled_mode_estimate(
+                        "minseq", minseq, longest, gpu_bytes, host_bytes, False, 1 << 24, gpu
+                    )
                 results["cells"].append(
                     {
                         "trainable": trainable,
@@ -141,16 +152,16 @@ def main() -> None:
                         "host_gib": host_gib,
                         "minseq_longest": base.longest_seq_len,
                         "memo_longest": longest,
-                        "memo_policy": at.policy,
-                        "memo_step_seconds": at.step_seconds,
-                        "memo_mfu": at.mfu,
-                        "minseq_step_seconds": minseq_at.step_seconds,
+                        "memo_policy": at.policy if at else "-",
+                        "memo_step_seconds": at.step_seconds if at else None,
+                        "memo_mfu": at.mfu if at else None,
+                        "minseq_step_seconds": minseq_at.step_seconds if minseq_at else None,
                         "cell_seconds": time.perf_counter() - cell_start,
                     }
                 )
                 results["seconds"] = time.perf_counter() - started
-                (out / "policy_grid.json").write_text(json.dumps(results, indent=2))
-                (out / "policy_grid.md").write_text(markdown(results) + "\n")
+                (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+                (out / f"{stem}.md").write_text(markdown(results) + "\n")
                 print(results["cells"][-1], flush=True)
     print(markdown(results))
 
