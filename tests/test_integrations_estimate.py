@@ -50,6 +50,19 @@ def test_the_longest_sequence_fits_and_the_next_one_does_not(config_path, result
     assert at.modes["minseq"].longest_seq_len is None
 
 
+def test_memo_fits_some_policy_up_to_its_longest_sequence_and_none_past_it(config_path, result):
+    memo, minseq = result.modes["memo"], result.modes["minseq"]
+    assert memo.longest_seq_len >= minseq.longest_seq_len
+    for seq_len, fits in ((memo.longest_seq_len, True), (memo.longest_seq_len + 256, False)):
+        at = estimate(config_path, seq_len, 24 * MiB, modes=["memo"], search=False, progress=False).modes
+        assert at["memo"].fits == fits
+        if fits:  # the chosen policy's memory is within the device budget
+            assert at["memo"].footprint.device.total <= 24 * MiB
+            assert "/device" in at["memo"].policy and at["memo"].step_seconds > 0 and 0 < at["memo"].mfu <= 1
+        else:
+            assert at["memo"].policy.startswith("none fits: no memory policy fits") and at["memo"].mfu is None
+
+
 def test_models_configs_and_lora_are_accepted():
     config = CONFIGS["gpt2"](2)
     model = GPT2LMHeadModel(config)
@@ -104,7 +117,10 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
     for mode, values in record["modes"].items():
         trace = AllocationTrace.load(traces / f"{mode}.jsonl")
         assert trace.meta["mode"] == mode and trace.meta["layers"] == 6 and trace.meta["seq_len"] == 2048
-        assert values["footprint"]["device"]["total"] == peak(trace).total
+        if mode != "memo":  # memo's memory is its chosen policy's; its trace is of the smallest MEMO policy
+            assert values["footprint"]["device"]["total"] == peak(trace).total
+    kinds = record["modes"]["memo"]["policy"].split(", ")  # e.g. "1 X+attn/device (alpha 0.438), 5 X+attn/..."
+    assert sum(int(kind.split()[0]) for kind in kinds) == 6
     assert plot.stat().st_size > 10_000
 
 

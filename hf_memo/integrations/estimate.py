@@ -2,23 +2,38 @@
 
 Every setup ("mode", see :mod:`hf_memo.integrations.setups`) is profiled on fake tensors, so any model
 and any sequence length is estimated on a CPU in seconds, without its weights. Bytes the profile
-finds on the host (offloaded tensors) count as host memory, everything else as device memory.
+finds on the host (offloaded tensors) count as host memory, everything else as device memory. The
+memo mode runs the memory-policy solver on its profile (see :mod:`hf_memo.integrations.memo_estimate`):
+its longest sequence is the longest for which some policy fits the device and the host. Step times
+are FLOP counts at the ``gpu``'s peak, plus the copy time the memo policy cannot hide.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from hf_memo.integrations.memo_estimate import (
+    DEFAULT_GPU,
+    GPUS,
+    Gpu,
+    LayerFlops,
+    MemoModel,
+    gpu_of,
+    head_seconds,
+    model_flops,
+    step_seconds,
+)
 from hf_memo.integrations.setups import (
     DEFAULT_MODES,
     DTYPES,
@@ -28,6 +43,7 @@ from hf_memo.integrations.setups import (
     TRAINABLE,
     choice,
     config_of,
+    memo_with_offload,
     parse,
     positive_int,
     with_lora,
@@ -54,6 +70,9 @@ class ModeEstimate:
     fits: bool
     longest_seq_len: int | None
     longest_is_search_limit: bool = False
+    policy: str | None = None  # memo: the memory policy at the requested length (layers per kind, where)
+    step_seconds: float | None = None  # FLOP-based at the GPU's peak, plus exposed copies
+    mfu: float | None = None  # model FLOPs / (step time x peak)
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -76,6 +95,7 @@ class Estimate:
     gpu_memory: int
     host_memory: int | None
     modes: dict[str, ModeEstimate]
+    gpu: str = DEFAULT_GPU
     traces: dict[str, AllocationTrace] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +128,8 @@ class Estimate:
         rows.append((f"fits {budget}", ["yes" if self.modes[n].fits else "no" for n in names]))
         if any(self.modes[n].longest_seq_len is not None for n in names):
             rows.append(("longest sequence", [_longest(self.modes[n]) for n in names]))
+        rows.append(("step time", [_seconds(self.modes[n].step_seconds) for n in names]))
+        rows.append(("MFU", ["-" if self.modes[n].mfu is None else f"{self.modes[n].mfu:.0%}" for n in names]))
         label_width = max(len(label) for label, _ in rows) + 2
         width = 2 + max(len(cell) for cell in names + [v for _, values in rows for v in values])
         lines = [
@@ -123,7 +145,17 @@ class Estimate:
         lines += [label.ljust(label_width) + "".join(v.rjust(width) for v in values) for label, values in rows]
         lines.append("")
         lines += [f"{n}: {self.modes[n].description}" for n in names]
+        gpu = GPUS[self.gpu]
+        lines.append(
+            f"Step time: FLOPs at the {gpu.name}'s bf16 peak ({gpu.peak_flops / 1e12:.0f} TFLOP/s), plus copies to and "
+            f"from the host at {gpu.host_bandwidth / 1e9:.0f} GB/s not hidden behind compute (--gpu)."
+        )
+        lines += [f"memo policy: {self.modes[n].policy}" for n in names if self.modes[n].policy]
         return "\n".join(lines)
+
+
+def _seconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f} s"
 
 
 def _longest(result: ModeEstimate) -> str:
@@ -145,6 +177,7 @@ def estimate(
     search: bool = True,
     keep_traces: bool = False,
     progress: bool = True,
+    gpu: str = DEFAULT_GPU,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -159,9 +192,13 @@ def estimate(
         optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
         modes: names from :data:`MODES`.
         dtype: parameter dtype.
-        search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and ``host_memory``).
-        keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` in ``Estimate.traces``.
+        search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and ``host_memory``);
+            for memo, the longest for which some memory policy fits.
+        keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` in ``Estimate.traces``
+            (memo: with its smallest MEMO policy, every swapped layer's input and attention output on the host).
         progress: show a progress bar.
+        gpu: the cost model's GPU for step times (``"h100"``, ``"h200"``, ``"a100"``; see
+            :data:`~hf_memo.integrations.memo_estimate.GPUS`).
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -182,6 +219,8 @@ def estimate(
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
+    spec, gpu = gpu_of(gpu), gpu.lower()
+    allow_x_only = not getattr(config.get_text_config(), "attention_dropout", 0.0)
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
     results: dict[str, ModeEstimate] = {}
     traces: dict[str, AllocationTrace] = {}
@@ -189,46 +228,54 @@ def estimate(
     try:
         for mode in modes:
 
-            def prepare(model: nn.Module, session: FakeSession, mode: str = mode) -> nn.Module:
-                if trainable == "lora":
-                    model = with_lora(model, session)
-                MODES[mode].configure(model, host_bytes)
-                return model
+            def profiler_of(configure: Callable[[nn.Module], None], mode: str = mode) -> StepProfiler:
+                def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
+                    if trainable == "lora":
+                        model = with_lora(model, session)
+                    configure(model)
+                    return model
 
-            def on_profile(layers: int, tokens: int, mode: str = mode) -> None:
-                bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
-                bar.update()
+                def on_profile(layers: int, tokens: int) -> None:
+                    bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
+                    bar.update()
 
-            meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
-            profiler = StepProfiler(
-                config, prepare, dtype, batch_size, optimizer, on_profile, meta, MODES[mode].profile_layers
-            )
-            footprints: dict[int, Footprint] = {}
+                meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
+                return StepProfiler(
+                    config, prepare, dtype, batch_size, optimizer, on_profile, meta, MODES[mode].profile_layers
+                )
 
-            def usage(tokens: int, profiler: StepProfiler = profiler, footprints: dict = footprints) -> float:
-                if tokens not in footprints:
-                    footprints[tokens] = profiler.footprint(tokens)
-                host = footprints[tokens].host.total
-                device_share = footprints[tokens].device.total / gpu_bytes
-                return device_share if host_bytes is None else max(device_share, host / max(host_bytes, 1))
-
-            fits = usage(seq_len) <= 1
-            longest = longest_fitting(usage, seq_len, limit=search_limit) if search else None
-            results[mode] = ModeEstimate(
-                mode,
-                MODES[mode].description,
-                footprints[seq_len],
-                fits,
-                longest,
-                longest is not None and longest >= search_limit - search_limit % 256,
-            )
+            profiler = profiler_of(lambda model, mode=mode: MODES[mode].configure(model, host_bytes))
+            if mode == "memo":
+                results[mode] = memo_mode_estimate(
+                    MemoModel(lambda f: profiler_of(memo_with_offload(f)), batch_size, spec, allow_x_only),
+                    seq_len,
+                    gpu_bytes,
+                    host_bytes,
+                    search,
+                    search_limit,
+                )
+            else:
+                results[mode] = profiled_mode_estimate(
+                    mode, profiler, seq_len, gpu_bytes, host_bytes, search, search_limit, spec
+                )
             if keep_traces:
                 traces[mode] = profiler.trace(seq_len)
     finally:
         bar.close()
     layers = config.get_text_config().num_hidden_layers
     return Estimate(
-        name, layers, seq_len, batch_size, dtype_name, trainable, optimizer, gpu_bytes, host_bytes, results, traces
+        name,
+        layers,
+        seq_len,
+        batch_size,
+        dtype_name,
+        trainable,
+        optimizer,
+        gpu_bytes,
+        host_bytes,
+        results,
+        traces=traces,
+        gpu=gpu,
     )
 
 
@@ -243,9 +290,20 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", required=True, help=f"built-in model ({', '.join(SHAPE_NAMES)}) or a path to a config.json"
     )
-    parser.add_argument("--seq-len", required=True, help="tokens per sequence, e.g. 32768, 128k or 1M")
+    parser.add_argument(
+        "--seq-len",
+        default="32k",
+        help="tokens per sequence, e.g. 32768, 128k or 1M (default 32k; the search for the longest starts there)",
+    )
     parser.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GiB or 80GB")
-    parser.add_argument("--host-memory", default=None, help="host memory for offloaded activations, e.g. 1TiB")
+    parser.add_argument(
+        "--host-memory",
+        default=None,
+        help="host memory for offloaded activations, e.g. 1TiB (default: this machine's, from psutil)",
+    )
+    parser.add_argument(
+        "--gpu", default=DEFAULT_GPU, help=f"GPU of the step-time model: {', '.join(GPUS)} (default {DEFAULT_GPU})"
+    )
     parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
     parser.add_argument("--trainable", default="full", help="full (default) or lora")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
@@ -269,7 +327,9 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         parse("--seq-len", parse_tokens, args.seq_len),
         gpu_memory=parse("--gpu-memory", parse_bytes, args.gpu_memory),
-        host_memory=None if args.host_memory is None else parse("--host-memory", parse_bytes, args.host_memory),
+        host_memory=psutil.virtual_memory().total
+        if args.host_memory is None
+        else parse("--host-memory", parse_bytes, args.host_memory),
         batch_size=positive_int("--batch", args.batch),
         trainable=choice("--trainable", args.trainable, TRAINABLE),
         optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
@@ -277,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
         search=not args.no_search,
         keep_traces=bool(args.plot or args.trace_dir),
+        gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
     )
     if args.trace_dir:
         folder = Path(args.trace_dir)
@@ -296,3 +357,81 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"Timeline plot: {args.plot}")
     return 0
+
+
+def profiled_mode_estimate(
+    mode: str,
+    profiler: StepProfiler,
+    seq_len: int,
+    gpu_bytes: int,
+    host_bytes: int | None,
+    search: bool,
+    search_limit: int,
+    gpu: Gpu,
+) -> ModeEstimate:
+    """A mode whose memory is what its profile shows."""
+    footprints: dict[int, Footprint] = {}
+
+    def usage(tokens: int) -> float:
+        if tokens not in footprints:
+            footprints[tokens] = profiler.footprint(tokens)
+        host = footprints[tokens].host.total
+        device_share = footprints[tokens].device.total / gpu_bytes
+        return device_share if host_bytes is None else max(device_share, host / max(host_bytes, 1))
+
+    fits = usage(seq_len) <= 1
+    longest = longest_fitting(usage, seq_len, limit=search_limit) if search else None
+    model = profiler.model(profiler.profile_layers[0])
+    flops, batch = LayerFlops.of(model), profiler.batch_size
+    head = head_seconds(model, batch, seq_len, gpu)
+    seconds = step_seconds(mode, flops, profiler.layers, head, batch, seq_len, gpu)
+    useful = model_flops(flops, profiler.layers, head, batch, seq_len, gpu)
+    return ModeEstimate(
+        mode,
+        MODES[mode].description,
+        footprints[seq_len],
+        fits,
+        longest,
+        longest is not None and longest >= search_limit - search_limit % 256,
+        step_seconds=seconds,
+        mfu=useful / (seconds * gpu.peak_flops),
+    )
+
+
+MEMO_DESCRIPTION = (
+    "hf_memo.apply(recompute='memo'): MEMO executor under the memory policy its solver picks (per layer: keep "
+    "X + attention or X only, on the host or the device, and alpha); memory from its profile and the policy"
+)
+
+
+def memo_mode_estimate(
+    memo: MemoModel,
+    seq_len: int,
+    gpu_bytes: int,
+    host_bytes: int | None,
+    search: bool,
+    search_limit: int,
+) -> ModeEstimate:
+    """The memo mode: the fastest policy that fits at ``seq_len``; the longest length some policy fits."""
+    choice_ = memo.choose(seq_len, gpu_bytes, host_bytes)
+    longest = None
+    if search:
+        longest = longest_fitting(lambda s: memo.smallest_usage(s, gpu_bytes, host_bytes), seq_len, limit=search_limit)
+    footprint = Footprint(seq_len, choice_.device, choice_.host, memo.layers, memo.method)
+    policy, seconds, mfu = choice_.policy, None, None
+    if policy is not None:
+        model, batch = memo.model, memo.batch_size
+        head = head_seconds(model, batch, seq_len, memo.gpu)
+        seconds = policy.predicted_step_seconds + head
+        mfu = model_flops(memo.flops, memo.layers, head, batch, seq_len, memo.gpu) / (seconds * memo.gpu.peak_flops)
+    return ModeEstimate(
+        "memo",
+        MEMO_DESCRIPTION,
+        footprint,
+        policy is not None,
+        longest,
+        longest is not None and longest >= search_limit - search_limit % 256,
+        policy=policy.summary() if policy is not None else f"none fits: {choice_.shortfall}",
+        step_seconds=seconds,
+        mfu=mfu,
+    )

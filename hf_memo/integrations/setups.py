@@ -53,6 +53,16 @@ def _memo(model: nn.Module, host_memory: int | None) -> None:
     hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=limit)
 
 
+def memo_with_offload(fraction: float) -> Callable[[nn.Module], None]:
+    """Configure the memo executor with a fixed ``offload_fraction`` and no host limit (what the estimator's
+    memory policy profiles: the bytes a layer stashes at ``alpha = 0`` and ``alpha = 1``)."""
+
+    def configure(model: nn.Module) -> None:
+        hf_memo.apply(model, recompute="memo", offload_fraction=fraction, host_memory_limit=UNLIMITED_HOST)
+
+    return configure
+
+
 MODES: dict[str, Mode] = {
     "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
     "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),

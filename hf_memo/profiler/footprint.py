@@ -78,11 +78,15 @@ class StepProfiler:
         self.layers = config.get_text_config().num_hidden_layers
         self._prepare = prepare
         self._dtype = dtype
-        self._batch_size = batch_size
+        self.batch_size = self._batch_size = batch_size
         self._optimizer = optimizer
         self._on_profile = on_profile
         self._meta = meta or {}
         self._models: dict[int, tuple[nn.Module, FakeSession]] = {}
+
+    def model(self, layers: int) -> nn.Module:
+        """The prepared fake model with ``layers`` decoder layers (built once)."""
+        return self._model(layers)[0]
 
     def _model(self, layers: int) -> tuple[nn.Module, FakeSession]:
         if layers not in self._models:

@@ -1,0 +1,127 @@
+"""The policy solver against brute force over every per-layer assignment, and its errors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hf_memo.planner.policy import LayerPolicy
+from hf_memo.planner.policy_solver import (
+    LayerCosts,
+    PolicyDoesNotFit,
+    policy_memory,
+    policy_seconds,
+    solve_policy,
+)
+from hf_memo.runtime.alpha import solve_offload_fraction
+
+
+def _random_costs(rng: random.Random) -> LayerCosts:
+    return LayerCosts(
+        input_bytes=rng.choice([1.0, 2.0, 3.0]),
+        attention_bytes=rng.choice([0.5, 1.0, 2.0]),
+        other_bytes=rng.choice([0.0, 2.0, 4.0, 7.0]),
+        forward_seconds=rng.uniform(0.5, 2.0),
+        backward_seconds=rng.uniform(1.0, 4.0),
+        attention_seconds=rng.uniform(0.1, 1.0),
+        other_seconds=rng.uniform(0.2, 1.5),
+    )
+
+
+def _brute_force(n, costs, bandwidth, device_budget, host_budget, steps, allow_x_only):
+    choices = [
+        LayerPolicy(keep, host, q / steps)
+        for keep in ((True, False) if allow_x_only else (True,))
+        for host in (True, False)
+        for q in range(steps + 1)
+    ]
+    best = None
+    for layers in itertools.product(choices, repeat=n):
+        if any(layer.on_host for layer in layers[max(n - 2, 0) :]):
+            continue  # the top two stay on the device
+        device, host = policy_memory(layers, costs)
+        if device > device_budget + 1e-9 or host > host_budget + 1e-9:
+            continue
+        seconds = policy_seconds(layers, costs, bandwidth)
+        best = seconds if best is None else min(best, seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_solver_matches_brute_force_over_every_per_layer_assignment(seed):
+    rng = random.Random(seed)
+    n, steps = rng.choice([(1, 2), (2, 2), (3, 2), (4, 2), (4, 1), (5, 1), (3, 3)])
+    costs = _random_costs(rng)
+    allow_x_only = rng.random() < 0.8
+    bandwidth = rng.choice([0.5, 2.0, 10.0])
+    device_budget = rng.uniform(0, n * 8 + 10)
+    host_budget = rng.uniform(0, n * 8)
+    expected = _brute_force(n, costs, bandwidth, device_budget, host_budget, steps, allow_x_only)
+    if expected is None:
+        with pytest.raises(PolicyDoesNotFit):
+            solve_policy(n, costs, bandwidth, device_budget, host_budget, steps, allow_x_only)
+        return
+    policy = solve_policy(n, costs, bandwidth, device_budget, host_budget, steps, allow_x_only)
+    assert policy.predicted_step_seconds == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    # The policy it returns is what it claims: within budget, of the predicted time, top two on the device.
+    assert len(policy.layers) == n
+    device, host = policy_memory(policy.layers, costs)
+    assert (policy.device_bytes, policy.host_bytes) == (device, host)
+    assert device <= device_budget + 1e-9 and host <= host_budget + 1e-9
+    assert policy.predicted_step_seconds == pytest.approx(policy_seconds(policy.layers, costs, bandwidth))
+    assert not any(layer.on_host for layer in policy.layers[max(n - 2, 0) :])
+    assert allow_x_only or all(layer.keep_attention for layer in policy.layers)
+    assert all(round(layer.alpha * steps, 9) == int(round(layer.alpha * steps)) for layer in policy.layers)
+
+
+def test_memo_is_the_special_case_with_room_for_attention_everywhere():
+    costs = LayerCosts(1.0, 1.0, 4.0, 1.0, 2.0, 0.5, 0.5)
+    # Host holds every swapped layer's X + attention and a quarter of the rest; the device only the top two.
+    policy = solve_policy(8, costs, bandwidth=100.0, device_budget=4 * 3.0, host_budget=6 * 3.0, alpha_steps=4)
+    assert policy.summary() == "6 X+attn/host (alpha 0.25), 2 X+attn/device (alpha 0.25)"
+    assert policy.bound == "device memory"
+    memo = solve_offload_fraction(8, 2.0, 4.0, 6 * 3.0, bandwidth=100.0, layer_time=1.0, device_budget=4 * 3.0)
+    assert (memo.alpha, memo.swapped_layers) == (0.25, 6)
+
+
+def test_x_only_layers_buy_length_when_attention_does_not_fit():
+    costs = LayerCosts(1.0, 1.0, 4.0, 1.0, 2.0, 0.5, 0.5)
+    policy = solve_policy(8, costs, bandwidth=100.0, device_budget=4.0, host_budget=6.0, alpha_steps=4)
+    assert policy.summary() == "6 X/host, 2 X/device"
+    with pytest.raises(PolicyDoesNotFit):
+        solve_policy(8, costs, bandwidth=100.0, device_budget=4.0, host_budget=6.0, alpha_steps=4, allow_x_only=False)
+
+
+def test_a_budget_that_fits_nothing_names_the_shortfall_in_bytes():
+    costs = LayerCosts(2.0**30, 2.0**30, 0.0, 1.0, 2.0, 0.5, 0.5)
+    with pytest.raises(
+        PolicyDoesNotFit,
+        match=r"needs 1\.000 GiB \(1073741824 bytes\) more device memory and "
+        r"2\.000 GiB \(2147483648 bytes\) more host memory",
+    ) as error:
+        solve_policy(8, costs, 1e9, device_budget=3 * 2.0**30, host_budget=4 * 2.0**30, alpha_steps=4)
+    assert (error.value.device_shortfall, error.value.host_shortfall) == (2**30, 2 * 2**30)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_layers": 0}, "num_layers must be an int >= 1, got 0"),
+        ({"alpha_steps": 0}, "alpha_steps must be an int >= 1, got 0"),
+        ({"bandwidth": 0.0}, "bandwidth must be a finite number > 0.0, got 0.0"),
+        ({"host_budget": -1.0}, "host_budget must be a finite number >= 0.0, got -1.0"),
+    ],
+)
+def test_bad_inputs_name_the_argument(kwargs, message):
+    args = {
+        "num_layers": 4,
+        "costs": LayerCosts(1, 1, 1, 1, 1, 1, 1),
+        "bandwidth": 1.0,
+        "device_budget": 10.0,
+        "host_budget": 10.0,
+        "alpha_steps": 2,
+    }
+    with pytest.raises(ValueError, match=message):
+        solve_policy(**{**args, **kwargs})
