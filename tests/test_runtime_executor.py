@@ -144,10 +144,9 @@ def test_input_only_replays_the_attention_dropout_mask(chunks, offloaded):
         torch.manual_seed(7)
         assert not torch.equal(_run(fn, x, params, upstream)[0], _run(fn, x, params, upstream)[0])  # masks differ
     (y_kept, grads_kept), (y_recomputed, grads_recomputed) = results
-    # Not bitwise: an input-only layer's offloaded chunks project a contiguous copy of their attention rows.
-    torch.testing.assert_close(y_recomputed, y_kept, rtol=1e-12, atol=1e-12)
+    assert torch.equal(y_recomputed, y_kept)
     for got, want in zip(grads_recomputed, grads_kept):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("offloaded", [0, 2, 4])
@@ -161,9 +160,9 @@ def test_input_only_stashes_no_attention_output(monkeypatch, offloaded):
         fn, runtime = _memo(split, 2, 4, offloaded, keep_attention=keep_attention)
         fn(x).sum().backward()
         sealed[keep_attention] = sealed.pop(runtime)
-    attention_output, statistics = x.shape[0] * x.shape[1] * HEADS * (HEAD_DIM + 1) * 8, 0
-    offloaded_rows = offloaded / 4 * x.shape[0] * x.shape[1] * HEADS * HEAD_DIM * 8  # o_proj's input, per chunk
-    assert sealed[False] == sealed[True] - attention_output - statistics + offloaded_rows
+    attention_output = x.shape[0] * x.shape[1] * HEADS * (HEAD_DIM + 1) * 8  # and its statistics
+    # o_proj's input rows of the offloaded chunks are views of the attention output recomputed in backward.
+    assert sealed[False] == sealed[True] - attention_output
     if offloaded == 0:
         assert sealed[False] == x.numel() * 8  # the layer input only
 

@@ -15,7 +15,8 @@ stash keeps one copy of the attention output, however many chunks read it.
 What a layer keeps is its :class:`~hf_memo.planner.policy.LayerPolicy` (given through its stash): its
 input and the attention output, softmax statistics and what replays the dropout mask (attention is
 never recomputed), or its input only (``keep_attention=False``: backward rebuilds q, k and v and runs
-the attention core's forward again, under the forward's RNG state, before its backward).
+the attention core's forward again, under the forward's RNG state, before its backward; the attention-output
+rows its offloaded tokens' o_proj saved are views of that recomputed output, so it keeps no copy of them).
 
 Everything but attention is per token, so the sequence is cut into mini-sequence chunks. The first
 ``alpha_chunks`` chunks ("offloaded tokens") build their autograd graph in forward with every saved
@@ -37,7 +38,7 @@ from torch.autograd.graph import get_gradient_edge
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState
 from hf_memo.runtime.attention_core import AttentionStats
-from hf_memo.runtime.stash import LayerStash, stash_hooks
+from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
 
 def project_rows(projection: Callable[[torch.Tensor], torch.Tensor], o: torch.Tensor) -> torch.Tensor:
@@ -213,18 +214,19 @@ class MemoLayerFunction(torch.autograd.Function):
         out = _sequence_major(out)
         if keep_attention:
             ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out), stash.add(stats.lse), replace(stats, lse=None)
+            ctx.recomputed_out, post_hooks = None, hooks
+        else:  # o_proj saves attention-output rows: rebuilt from the attention backward computes again
+            ctx.recomputed_out = RecomputedInBackward(out)
+            post_hooks = stash_hooks(stash, split.kept(), stash_them=False, recomputed=ctx.recomputed_out)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # a view: out is (B, S, h, D) in memory
 
         y = None
         ctx.post_graphs, ctx.post_replays = [], []
         for chunk, (start, stop) in enumerate(bounds):
             if chunk < len(offloaded):
-                o_chunk = _rows(o_rows, start, stop)
-                if not keep_attention:  # o_proj saves its input: these rows, not the whole attention output
-                    o_chunk = o_chunk.clone(memory_format=torch.contiguous_format)
-                with torch.enable_grad(), hooks:
+                with torch.enable_grad(), post_hooks:
                     x_in = _Source.apply(anchor, _rows(x, start, stop))
-                    o_in = _Source.apply(anchor, o_chunk)
+                    o_in = _Source.apply(anchor, _rows(o_rows, start, stop))
                     y_rows = split.finish(x_in, o_in)
                     ctx.post_graphs.append(
                         (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows))
@@ -263,7 +265,7 @@ class MemoLayerFunction(torch.autograd.Function):
             with torch.no_grad(), ctx.attention_replay.replay():
                 out, stats = ctx.core.forward(q, k, v, split.scale, split.dropout_p)
             ctx.runtime.attention_ran()
-            out = _sequence_major(out)
+            out = ctx.recomputed_out.value = _sequence_major(out)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
         grad_x = torch.empty_like(x)
         grad_o = torch.empty_like(o_rows)
@@ -307,5 +309,5 @@ class MemoLayerFunction(torch.autograd.Function):
             grad_x[:, start:stop] += grad_pre
         stash.release()
         ctx.runtime.backward_done(ctx.index, grad_y.device)
-        ctx.post_graphs = ctx.pre_graphs = ctx.stash = None
+        ctx.post_graphs = ctx.pre_graphs = ctx.stash = ctx.recomputed_out = None
         return (None, None, None, None, None, None, grad_x, *sums.result())

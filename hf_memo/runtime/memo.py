@@ -349,11 +349,8 @@ def _shape_key(x: torch.Tensor) -> tuple:
 
 
 def _kept_per_token(layer: LayerPolicy, per_token: LayerBytes) -> float:
-    """Bytes per token a layer under ``layer`` keeps. A layer keeping ``X`` only keeps, of its offloaded tokens,
-    their attention-output rows too (saved by the output projection), so ``S_attn`` counts with ``S_other``."""
-    if layer.keep_attention:
-        return per_token.fixed + layer.alpha * per_token.other
-    return per_token.input + layer.alpha * (per_token.attention + per_token.other)
+    """Bytes per token a layer under ``layer`` keeps: ``S_in``, ``S_attn`` if it keeps attention, ``alpha S_other``."""
+    return (per_token.fixed if layer.keep_attention else per_token.input) + layer.alpha * per_token.other
 
 
 def _device_in_use(device: torch.device) -> int:

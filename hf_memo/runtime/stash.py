@@ -213,11 +213,45 @@ def _from_kept_only(tensor: torch.Tensor, kept: set[int], kept_sizes: set[int]) 
     return True
 
 
-def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool) -> saved_tensors_hooks:
+class RecomputedInBackward:
+    """A tensor the layer's backward computes again (the attention output of a layer keeping its input only):
+    saved views of it keep their layout only, and are rebuilt as views of the recomputed tensor.
+
+    ``forward_value`` is the forward's tensor (the hooks hold its storage address, not the tensor); backward
+    sets :attr:`value` to the recomputed one, which must have the same shape, strides and dtype, before the
+    graph that saved the views is differentiated.
+    """
+
+    def __init__(self, forward_value: torch.Tensor) -> None:
+        self.storage = forward_value.untyped_storage()._cdata
+        self.dtype = forward_value.dtype
+        self.layout = (forward_value.shape, forward_value.stride(), forward_value.storage_offset())
+        self.value: torch.Tensor | None = None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage()._cdata == self.storage and tensor.dtype == self.dtype
+
+    def pack(self, tensor: torch.Tensor) -> tuple:
+        return (self, tensor.shape, tensor.stride(), tensor.storage_offset() - self.layout[2])
+
+    def rebuild(self, shape: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        value = self.value
+        if value is None or (value.shape, value.stride(), value.dtype) != (*self.layout[:2], self.dtype):
+            raise RuntimeError(
+                "the attention output recomputed in backward must have the forward's shape, strides and dtype "
+                f"{tuple(self.layout[0])}, {self.layout[1]}, {self.dtype}"
+            )
+        return value.as_strided(shape, stride, value.storage_offset() + offset)
+
+
+def stash_hooks(
+    stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool, recomputed: RecomputedInBackward | None = None
+) -> saved_tensors_hooks:
     """Saved-tensor hooks that put into ``stash`` the saved tensors sharing a storage with ``tensors``
     (``stash_them=True``), or every saved tensor computed from the layer's input (``stash_them=False``:
     not those, nor tensors computed from ``tensors`` alone, such as autocast's weight casts, which are
-    the same for every token); the rest stay as they are.
+    the same for every token); the rest stay as they are. Views of ``recomputed`` are neither: they are
+    rebuilt from its value in backward.
 
     ``tensors`` must stay alive while the hooks are in use. The hooks hold no reference to them: the
     graph keeps its hooks, and a stashed tensor's device memory must be free to go once the stash
@@ -227,6 +261,8 @@ def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool
     sizes = {t.numel() for t in tensors}
 
     def pack(tensor: torch.Tensor):
+        if recomputed is not None and recomputed.holds(tensor):
+            return recomputed.pack(tensor)
         if stash_them:
             stashed = tensor.untyped_storage()._cdata in storages
         else:
@@ -236,6 +272,8 @@ def stash_hooks(stash: LayerStash, tensors: list[torch.Tensor], stash_them: bool
         return stash.add(tensor) if stashed else (tensor.detach(),)
 
     def unpack(packed) -> torch.Tensor:
-        return packed[0] if isinstance(packed, tuple) else stash.rebuild(packed)
+        if isinstance(packed, tuple):
+            return packed[0] if len(packed) == 1 else packed[0].rebuild(*packed[1:])
+        return stash.rebuild(packed)
 
     return saved_tensors_hooks(pack, unpack)
