@@ -13,6 +13,7 @@ from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.planner.policy_solver import PolicyDoesNotFit
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
@@ -217,19 +218,74 @@ def test_host_buffers_of_an_old_shape_are_freed_on_a_new_one():
     assert 0 < runtime.host_reserved_bytes == hf_memo.memo_runtime(fresh).host_reserved_bytes < long
 
 
-def test_a_device_memory_limit_bounds_alpha_and_auto_has_none_on_cpu():
+def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_on_cpu():
     split, x = _split_and_input()
     kept = layer_bytes_per_token(split, x)
-    fixed, other = kept.fixed, kept.other
     tokens = x.shape[0] * x.shape[1]
-    budget = 4 * (fixed + 0.5 * other) * tokens  # 2 top layers + 2 buffers, at alpha = 1/2
+    everything = (kept.fixed + kept.other) * tokens  # a layer's stash at alpha 1, keeping attention
     config = dict(recompute="memo", host_bandwidth=1e15, layer_time=1.0)
     bounds = chunk_bounds(x.shape[1], 8)
     free = MemoRuntime(MemoConfig(**config), num_layers=6)
-    limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(budget)), num_layers=6)
     assert free.alpha_chunks(split, x, bounds, LocalAttention, 0) == 8 and free._device_limit(x.device) is None
-    assert limited.alpha_chunks(split, x, bounds, LocalAttention, 0) == 4
-    assert limited.plan.bound == "device memory" and limited.plan.layers[0].alpha == pytest.approx(0.5, rel=1e-3)
+    assert _on_host(free.plan) == 4 and free.plan.bound == "all"  # no device limit: MEMO's LP and layout
+    roomy = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(6 * everything)), num_layers=6)
+    roomy.alpha_chunks(split, x, bounds, LocalAttention, 0)
+    assert roomy.plan.layers == (LayerPolicy(True, False, 1.0),) * 6 and roomy.plan.bound == "all"
+    tight = 2 * kept.input * tokens + 2 * (kept.fixed + 0.5 * kept.other) * tokens  # 2 device X + 2 buffers
+    limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(tight)), num_layers=6)
+    limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
+    plan = limited.plan
+    assert plan.device_bytes <= tight and plan.predicted_step_seconds is not None
+    assert _on_host(plan) == 4 and plan.bound == "device memory"
+    assert not any(layer.keep_attention for layer in plan.layers if not layer.on_host)  # the device keeps X only
+
+
+def _tight_memo_model(device_layers_x_only, **config):
+    """A 6-layer llama under memo whose device budget holds ``device_layers_x_only`` layer inputs of a 2 x 19 step
+    (host bandwidth and layer time given, so nothing is timed against the machine's load)."""
+    input_bytes = 2 * 19 * 32 * 8  # B * S * hidden * float64
+    model = build_model("llama", num_hidden_layers=6)
+    reference = copy.deepcopy(model)
+    limits = dict(device_memory_limit=device_layers_x_only * input_bytes, host_bandwidth=1e9, layer_time=1e-3)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=4, lm_head_chunks=3, **{**limits, **config})
+    return model, reference, input_bytes
+
+
+def test_a_tight_device_budget_keeps_inputs_only_and_gives_the_unpatched_gradients(monkeypatch):
+    """Room for four layer inputs: two device layers and the two copy buffers, so every layer keeps X only,
+    alpha 0, and the four lowest go to the host; the stashes are the bytes the solver counted."""
+    model, reference, input_bytes = _tight_memo_model(4)
+    runtime = hf_memo.memo_runtime(model)
+    sealed, original = {}, MemoRuntime.sealed
+
+    def spy(self, index, stash):
+        sealed[index] = stash.nbytes  # aligned to 512 bytes: a layer input here is 19 x 512
+        original(self, index, stash)
+
+    monkeypatch.setattr(MemoRuntime, "sealed", spy)
+    for step in range(2):
+        batches = [make_batch(2, 19, seed=10 * step + micro) for micro in range(2)]
+        num_items = torch.tensor(sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches))
+        for ids, labels in batches:
+            for m in (model, reference):
+                m(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss.backward()
+            assert [sealed.pop(index) for index in range(6)] == [input_bytes] * 6
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+        model.zero_grad()
+        reference.zero_grad()
+    expected = (LayerPolicy(False, True, 0.0),) * 4 + (LayerPolicy(False, False, 0.0),) * 2
+    assert runtime.plan.layers == expected and runtime.plan.device_bytes == 4 * input_bytes
+    assert runtime.attention_calls == 4 * 2 * 6  # four micro-batches, attention again in every backward
+
+
+def test_a_budget_that_cannot_hold_the_layer_inputs_fails_before_the_step_naming_the_shortfall():
+    model, _, input_bytes = _tight_memo_model(3)
+    ids, labels = make_batch(2, 19)
+    with pytest.raises(PolicyDoesNotFit, match=r"at 38 tokens per step: no memory policy fits") as raised:
+        model(input_ids=ids, labels=labels)
+    assert raised.value.device_shortfall == input_bytes and raised.value.host_shortfall == 0
+    assert "MemoConfig.device_memory_limit" in str(raised.value)
+    assert hf_memo.memo_runtime(model).attention_calls == 0
 
 
 def test_calibration_times_attention_through_the_layers_own_core():

@@ -2,7 +2,6 @@
 chunked forward measured with CUDA events and the device memory counter, the "auto" device limit."""
 
 import gc
-import warnings
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import LocalAttention
-from hf_memo.runtime.calibration import layer_bytes_per_token, time_layer_forward
+from hf_memo.runtime.calibration import time_layer_forward
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.offload import PAGE, CopyEngine, HostPool
@@ -53,7 +52,7 @@ def test_cuda_timing_measures_the_chunked_forward_and_its_memory():
     assert whole.workspace_bytes - chunked.workspace_bytes > intermediate
 
 
-def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers_alpha():
+def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_keeps_inputs_only():
     device = torch.device("cuda")
     model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2).cuda()
     x = torch.randn(1, 2048, 32, dtype=torch.bfloat16, device=device)
@@ -63,14 +62,16 @@ def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_lowers
     free, _ = torch.cuda.mem_get_info(device)
     assert runtime._device_limit(device) == free + torch.cuda.memory_reserved(device)
     assert runtime.alpha_chunks(split, x, bounds, LocalAttention, 0) == 8  # a small layer fits anywhere
-    kept = layer_bytes_per_token(split, x)
-    fixed, other = kept.fixed, kept.other
-    tight = torch.cuda.memory_allocated(device) + int(4 * (fixed + 0.5 * other) * 2048)  # no room for workspace
+    assert runtime.plan.bound == "all" and runtime.plan.predicted_step_seconds is not None  # the policy solver's
+    workspace = time_layer_forward(split, x, bounds).workspace_bytes
+    layer_input = x.numel() * x.element_size()
+    # Two device layers and two copy buffers of one layer input each, half an input to spare: less than the
+    # attention output a layer would keep beside it, so every layer keeps its input only.
+    tight = torch.cuda.memory_allocated(device) + int(2.2 * workspace) + int(4.5 * layer_input)
     limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=tight), 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the workspace may leave less than the layers' fixed bytes
-        limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
-    assert limited.plan.bound == "device memory" and limited.plan.layers[0].alpha < 0.5
+    limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
+    assert not any(layer.keep_attention for layer in limited.plan.layers)
+    assert sum(layer.on_host for layer in limited.plan.layers) == 4 and limited.plan.bound == "device memory"
 
 
 def test_input_only_layers_refuse_attention_dropout_on_cuda():

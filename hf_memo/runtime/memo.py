@@ -13,6 +13,7 @@ import torch
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
 from hf_memo.runtime.alpha import quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
 from hf_memo.runtime.calibration import (
@@ -30,6 +31,10 @@ AUTO_HOST_FRACTION = 0.5  # of the RAM available when the runtime is created
 # A layer's backward holds a gradient beside each tensor its forward pattern holds (x and grad x, q/k/v and
 # dq/dk/dv, the attention output and its gradient, a chunk's activations and theirs): twice the forward's.
 BACKWARD_WORKSPACE_FACTOR = 2
+# A layer's backward computes about twice its forward's FLOPs (a gradient for the input and one for the weights):
+# the policy solver's T_b, which the runtime does not time.
+BACKWARD_TO_FORWARD = 2
+SOLVER_ALPHA_STEPS = 16  # the finest alpha grid the policy solver searches (the executor rounds down to chunks)
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,8 @@ class StepMeasurements:
         per_token: ``S_in``, ``S_attn``, ``S_other`` of one layer, bytes per token.
         layer_seconds: one layer's forward ``T`` (``MemoConfig.layer_time`` or timed; ``None``: not measured,
             ``offload_fraction`` was given).
-        attention_seconds: the attention core's part of it (``T_attn``; ``T - T_attn`` is the rest, ``T_other``);
-            ``None`` when not timed.
+        attention_seconds: the attention core's part of it (``T_attn``, its timed share of ``T``; ``T - T_attn``
+            is the rest, ``T_other``); ``None`` when not timed.
         bandwidth: device<->host bytes per second (``MemoConfig.host_bandwidth`` or measured; ``None`` when
             ``offload_fraction`` was given).
         host_budget: host bytes the kept tensors may use (``MemoConfig.host_memory_limit``).
@@ -196,10 +201,19 @@ class MemoRuntime:
     def _decide(self, measured: StepMeasurements) -> MemoryPolicy:
         """Every layer's policy for one step shape, from what was measured on it.
 
-        MEMO's LP (:func:`~hf_memo.runtime.alpha.solve_offload_fraction`): every layer keeps its input and
-        attention output; the lowest ``n - 2`` go to the host, the top two stay on the device, all with the
-        solved alpha.
+        With a device budget and alpha left to the runtime, the policy solver
+        (:func:`~hf_memo.planner.policy_solver.solve_policy`): per layer, host or device, ``X`` + attention or
+        ``X`` only, and alpha, for the least predicted step time within the device and host budgets.
+        Otherwise (no device limit — CPU with ``device_memory_limit="auto"`` — or a fixed
+        ``offload_fraction``) MEMO's LP (:func:`~hf_memo.runtime.alpha.solve_offload_fraction`): every layer
+        keeps its input and attention output; the lowest ``n - 2`` go to the host, the top two stay on the
+        device, all with one alpha.
+
+        Raises:
+            PolicyDoesNotFit: not even keeping ``X`` only, alpha 0, in every layer fits the budgets.
         """
+        if measured.requested_alpha is None and measured.device_budget is not None:
+            return self._solve_policy(measured)
         per_token, tokens = measured.per_token, measured.tokens
         plan = solve_offload_fraction(
             measured.num_layers,
@@ -215,6 +229,38 @@ class MemoRuntime:
         host_bytes = plan.swapped_layers * (per_token.fixed + plan.alpha * per_token.other) * tokens
         return MemoryPolicy(layers, host_bytes=host_bytes, bound=plan.bound)
 
+    def _solve_policy(self, measured: StepMeasurements) -> MemoryPolicy:
+        """The policy solver's answer for ``measured``; the layer's backward is taken as
+        ``BACKWARD_TO_FORWARD`` times its forward (not timed)."""
+        per_token, tokens, forward = measured.per_token, measured.tokens, measured.layer_seconds
+        attention = min(measured.attention_seconds, forward)
+        costs = LayerCosts(
+            input_bytes=per_token.input * tokens,
+            attention_bytes=per_token.attention * tokens,
+            other_bytes=per_token.other * tokens,
+            forward_seconds=forward,
+            backward_seconds=BACKWARD_TO_FORWARD * forward,
+            attention_seconds=attention,
+            other_seconds=forward - attention,
+        )
+        try:
+            return solve_policy(
+                measured.num_layers,
+                costs,
+                measured.bandwidth,
+                max(measured.device_budget, 0.0),
+                measured.host_budget,
+                min(measured.chunks, SOLVER_ALPHA_STEPS),
+                measured.x_only_allowed,
+            )
+        except PolicyDoesNotFit as error:
+            raise PolicyDoesNotFit(
+                f"recompute='memo' at {tokens} tokens per step: {error} "
+                "(MemoConfig.device_memory_limit, MemoConfig.host_memory_limit)",
+                error.device_shortfall,
+                error.host_shortfall,
+            ) from None
+
     def _measure(
         self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
     ) -> StepMeasurements:
@@ -224,14 +270,17 @@ class MemoRuntime:
         requested = None if fraction == "auto" else float(fraction)
         device_limit = self._device_limit(x.device)
         timing: LayerForward | None = None
-        if (requested is None and self.config.layer_time is None) or (device_limit is not None and x.is_cuda):
+        solver = requested is None and device_limit is not None  # it needs the attention core's share of T
+        if (requested is None and self.config.layer_time is None) or solver or (device_limit is not None and x.is_cuda):
             timing = time_layer_forward(split, x, bounds, core)
-        bandwidth = layer_time = None
+        bandwidth = layer_time = attention_time = None
         if requested is None:
             if x.device not in self._bandwidth:
                 pool = self._transport(x.device).pool
                 self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x, pool)
             bandwidth, layer_time = self._bandwidth[x.device], self.config.layer_time or timing.seconds
+        if timing is not None:  # the timed share of attention, of the layer time used (configured or timed)
+            attention_time = timing.attention_seconds * (layer_time or timing.seconds) / max(timing.seconds, 1e-12)
         device_budget = None
         if device_limit is not None:
             workspace = 0 if timing is None else timing.workspace_bytes
@@ -242,7 +291,7 @@ class MemoRuntime:
             chunks=len(bounds),
             per_token=layer_bytes_per_token(split, x),
             layer_seconds=layer_time,
-            attention_seconds=None if timing is None else timing.attention_seconds,
+            attention_seconds=attention_time,
             bandwidth=bandwidth,
             host_budget=self.host_limit,
             device_budget=device_budget,
