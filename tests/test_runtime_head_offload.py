@@ -8,6 +8,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.patches.llama import FAMILY
 from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.calibration import layer_bytes_per_token
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
@@ -71,15 +72,21 @@ def test_the_device_copy_of_the_head_input_is_freed_while_the_graph_lives():
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
 
-def test_the_head_input_stays_on_the_device_when_the_host_limit_has_no_room():
-    hidden_bytes = 2 * SEQ * HIDDEN * 8
-    with pytest.warns(UserWarning, match="0 of 2 layers"):
-        fits = _runtime(offload_fraction=0.0, host_memory_limit=hidden_bytes)
-    with pytest.warns(UserWarning, match="0 of 2 layers"):
-        too_small = _runtime(offload_fraction=0.0, host_memory_limit=hidden_bytes - 1)
+def test_the_head_input_goes_to_the_host_only_beside_host_layers_with_room_left():
     hidden = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
-    assert fits.open_head_stash(hidden) is not None
-    assert too_small.open_head_stash(hidden) is None
+    hidden_bytes = hidden.numel() * hidden.element_size()
+    model = build_model("llama")
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(hidden, torch.arange(SEQ)[None]))
+    layer_bytes = round(layer_bytes_per_token(split, hidden.detach()).fixed * hidden.shape[0] * SEQ)  # alpha 0
+    limits = {"fits": layer_bytes + hidden_bytes, "too small": layer_bytes + hidden_bytes - 1, "no layer": hidden_bytes}
+    swapped = {"fits": 1, "too small": 1, "no layer": 0}
+    runtimes = {}
+    for name, limit in limits.items():
+        with pytest.warns(UserWarning, match=f"{swapped[name]} of 2 layers"):
+            runtimes[name] = _runtime(offload_fraction=0.0, host_memory_limit=limit)
+    assert runtimes["fits"].open_head_stash(hidden) is not None
+    assert runtimes["too small"].open_head_stash(hidden) is None
+    assert runtimes["no layer"].open_head_stash(hidden) is None  # every layer on the device: the step fits there
 
 
 def test_the_head_input_is_not_offloaded_for_another_shape_or_without_a_graph():

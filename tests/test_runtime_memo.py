@@ -231,12 +231,13 @@ def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_
     roomy = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(6 * everything)), num_layers=6)
     roomy.alpha_chunks(split, x, bounds, LocalAttention, 0)
     assert roomy.plan.layers == (LayerPolicy(True, False, 1.0),) * 6 and roomy.plan.bound == "all"
+    assert not roomy.offload_for(1, 32).head_offloaded  # no layer on the host: neither is the LM head's input
     tight = 2 * kept.input * tokens + 2 * (kept.fixed + 0.5 * kept.other) * tokens  # 2 device X + 2 buffers
     limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(tight)), num_layers=6)
     limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
     plan = limited.plan
     assert plan.device_bytes <= tight and plan.predicted_step_seconds is not None
-    assert _on_host(plan) == 4 and plan.bound == "device memory"
+    assert _on_host(plan) == 4 and plan.bound == "device memory" and limited.offload_for(1, 32).head_offloaded
     assert not any(layer.keep_attention for layer in plan.layers if not layer.on_host)  # the device keeps X only
 
 

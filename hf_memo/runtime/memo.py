@@ -196,7 +196,10 @@ class MemoRuntime:
             per_token, policy = measured.per_token, self._decide(measured)
         tokens = x.shape[0] * x.shape[1]
         host_bytes = sum(_kept_per_token(layer, per_token) for layer in policy.layers if layer.on_host) * tokens
-        return OffloadDecision(policy, host_bytes + x.numel() * x.element_size() <= self.host_limit)
+        # Only beside host layers: when every layer stays on the device the step fits there, and the head's
+        # copies would borrow copy buffers no layer made.
+        swapping = any(layer.on_host for layer in policy.layers)
+        return OffloadDecision(policy, swapping and host_bytes + x.numel() * x.element_size() <= self.host_limit)
 
     def _decide(self, measured: StepMeasurements) -> MemoryPolicy:
         """Every layer's policy for one step shape, from what was measured on it.
@@ -351,8 +354,8 @@ class MemoRuntime:
     def open_head_stash(self, hidden: torch.Tensor) -> LayerStash | None:
         """A swapped stash for the LM head's input ``hidden`` ``(B, S, H)``, or ``None`` to keep it on the device.
 
-        ``None`` when no layer of that shape has run yet or when the host limit has no room for it
-        beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
+        ``None`` when no layer of that shape has run yet, when no layer is on the host, or when the host
+        limit has no room for it beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
         imaginary layer ``n``: those of layer ``n - 2`` (whose copies, if it is on the host, are done
         before a buffer is reused).
         """
