@@ -302,3 +302,35 @@ def test_calibration_times_attention_through_the_layers_own_core():
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)
     runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore(), 0)
     assert len(calls) == 2 and calls[0][2] == x.shape[1]  # warm-up and timed call, over the whole sequence
+
+
+def _sequence_parallel_solve(rank, world):
+    """One step of a 4-layer llama split over 2 ranks, each rank told a different host bandwidth: alone, the slow
+    rank would keep its layers on the device and the fast one send them to the host."""
+    bandwidth = 1e15 if rank == 0 else 1e3
+    model = build_model("llama", num_hidden_layers=4)
+    limits = dict(device_memory_limit=6 * 2 * 8 * 32 * 8, host_bandwidth=bandwidth, layer_time=1e-3)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=2, sequence_parallel_size=2, **limits)
+    ids, labels = make_batch(2, 16)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        torch.distributed.all_reduce(grad := param.grad.clone())
+        grads[name] = grad / world
+    return {"policy": hf_memo.memo_runtime(model).plan, "loss": loss.detach(), "grads": grads}
+
+
+def test_sequence_parallel_ranks_agree_on_one_policy_and_match_one_process():
+    from tests.multiprocess import run_processes
+
+    results = run_processes(_sequence_parallel_solve, 2)
+    assert results[0]["policy"] == results[1]["policy"]
+    reference = build_model("llama", num_hidden_layers=4)
+    ids, labels = make_batch(2, 16)
+    want = reference(input_ids=ids, labels=labels).loss
+    want.backward()
+    for result in results:
+        torch.testing.assert_close(result["loss"], want.detach(), rtol=1e-6, atol=0)
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name], param.grad, rtol=1e-8, atol=1e-11, msg=name)

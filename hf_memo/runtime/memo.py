@@ -5,10 +5,11 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
@@ -288,7 +289,7 @@ class MemoRuntime:
         if device_limit is not None:
             workspace = 0 if timing is None else timing.workspace_bytes
             device_budget = device_limit - _device_in_use(x.device) - BACKWARD_WORKSPACE_FACTOR * workspace
-        return StepMeasurements(
+        measured = StepMeasurements(
             num_layers=self.num_layers,
             tokens=x.shape[0] * x.shape[1],
             chunks=len(bounds),
@@ -301,6 +302,10 @@ class MemoRuntime:
             requested_alpha=requested,
             x_only_allowed=not (x.is_cuda and split.dropout_p > 0),
         )
+        group = getattr(core, "group", None)  # a sequence-parallel core's process group
+        if group is not None and requested is None and device_budget is not None:
+            measured = _agreed(measured, group, x.device)
+        return measured
 
     def _device_limit(self, device: torch.device) -> int | None:
         """Device bytes a step may use: the configured limit, or on CUDA for ``"auto"`` what is free plus what
@@ -394,6 +399,28 @@ class MemoRuntime:
     def device_buffer_bytes(self) -> int:
         """Device bytes of the rounding and prefetch buffers."""
         return sum(t.rounding.reserved_bytes + t.prefetch.reserved_bytes for t in self._transports.values())
+
+
+def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.device) -> StepMeasurements:
+    """``measured`` made the same on every rank of a sequence-parallel ``group``: the slowest layer and attention
+    times, the lowest bandwidth and budgets. Every rank then solves the same policy, as it must: a layer keeping
+    ``X`` only runs attention's all-to-alls again in backward, on all ranks or none."""
+    values = torch.tensor(
+        [-measured.layer_seconds, -measured.attention_seconds, measured.bandwidth]
+        + [measured.device_budget, measured.host_budget],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    layer, attention, bandwidth, device_budget, host_budget = values.tolist()
+    return replace(
+        measured,
+        layer_seconds=-layer,
+        attention_seconds=-attention,
+        bandwidth=bandwidth,
+        device_budget=device_budget,
+        host_budget=host_budget,
+    )
 
 
 def _shape_key(x: torch.Tensor) -> tuple:
