@@ -252,9 +252,10 @@ def _tight_memo_model(device_layers_x_only, **config):
     return model, reference, input_bytes
 
 
-def test_a_tight_device_budget_keeps_inputs_only_and_gives_the_unpatched_gradients(monkeypatch):
+def test_a_tight_device_budget_keeps_inputs_only_and_gives_the_unpatched_gradients(monkeypatch, caplog):
     """Room for four layer inputs: two device layers and the two copy buffers, so every layer keeps X only,
     alpha 0, and the four lowest go to the host; the stashes are the bytes the solver counted."""
+    caplog.set_level("INFO", logger="hf_memo.runtime.memo")
     model, reference, input_bytes = _tight_memo_model(4)
     runtime = hf_memo.memo_runtime(model)
     sealed, original = {}, MemoRuntime.sealed
@@ -277,6 +278,8 @@ def test_a_tight_device_budget_keeps_inputs_only_and_gives_the_unpatched_gradien
     expected = (LayerPolicy(False, True, 0.0),) * 4 + (LayerPolicy(False, False, 0.0),) * 2
     assert runtime.plan.layers == expected and runtime.plan.device_bytes == 4 * input_bytes
     assert runtime.attention_calls == 4 * 2 * 6  # four micro-batches, attention again in every backward
+    logged = [r.getMessage() for r in caplog.records if r.name == "hf_memo.runtime.memo"]
+    assert len(logged) == 1 and "(2, 19, 32): 4 X/host, 2 X/device (bound: device memory, " in logged[0]
 
 
 def test_a_budget_that_cannot_hold_the_layer_inputs_fails_before_the_step_naming_the_shortfall():

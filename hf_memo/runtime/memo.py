@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from hf_memo.runtime.calibration import (
 from hf_memo.runtime.executor import AttentionCore, LayerSplit
 from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
+
+logger = logging.getLogger(__name__)
 
 AUTO_HOST_FRACTION = 0.5  # of the RAM available when the runtime is created
 # A layer's backward holds a gradient beside each tensor its forward pattern holds (x and grad x, q/k/v and
@@ -153,6 +156,16 @@ class MemoRuntime:
             self._transport(x.device).pool.trim()
         if key not in self._decisions:
             decision = self._decisions[key] = self._fixed or self._solve(split, x, bounds, core)
+            policy = decision.policy
+            predicted = "" if policy.predicted_step_seconds is None else f", {policy.predicted_step_seconds:.3g} s"
+            logger.info(
+                "hf_memo: memory policy for layer inputs %s: %s (bound: %s%s; LM head input on the host: %s)",
+                tuple(x.shape),
+                policy.summary(),
+                policy.bound,
+                predicted,
+                decision.head_offloaded,
+            )
             if self.config.planner != "off":
                 self._plan_memory(x.shape[0], x.shape[1], decision)
         self.plan = self._decisions[key].policy
