@@ -325,3 +325,22 @@ def test_auto_offload_is_planned_once_for_the_alpha_the_first_step_solved(tmp_pa
     assert callback.plan_source == "planned" and cached.fingerprint == runtime.memory_plan.fingerprint
     alphas = {layer["alpha"] for layer in cached.meta["offload"]["layers"]}
     assert alphas == {layer.alpha for layer in runtime.plan.layers} and 0 < min(alphas) < 1
+
+
+def test_a_device_budget_trains_the_solved_policy_as_plain_training(tmp_path):
+    """A device budget of five layer inputs: the policy solver keeps every layer's input only (no room for an
+    attention output beside two device layers and two copy buffers); the run equals plain training."""
+    layer_input = BATCH * SEQ * 32 * 8  # float64 hidden states of one layer
+    config = MEMO.replace(
+        offload_fraction="auto", layer_time=1e-3, host_bandwidth=1e9, device_memory_limit=5 * layer_input
+    )
+    memo = make_trainer(tmp_path / "memo", callbacks=[MemoCallback(config, progress=False)], steps=3)
+    memo.train()
+    plain = make_trainer(tmp_path / "plain", steps=3)
+    plain.train()
+    policy = memo_runtime(memo.model).plan
+    assert not any(layer.keep_attention for layer in policy.layers) and policy.device_bytes <= 5 * layer_input
+    torch.testing.assert_close(train_losses(memo), train_losses(plain), rtol=1e-7, atol=0)
+    reference = dict(plain.model.named_parameters())
+    for name, param in memo.model.named_parameters():
+        torch.testing.assert_close(param, reference[name], rtol=1e-9, atol=1e-12, msg=name)
