@@ -15,6 +15,9 @@ import pytest
 import torch
 
 import hf_memo
+from hf_memo.patches.apply import memo_runtime
+from hf_memo.patches.packing import describe_training_batch
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from tests.conftest import VOCAB, ShapeRecorder, assert_same_grads, build_model
 from tests.test_patches_forwards_layers import OpCounter
 
@@ -122,25 +125,72 @@ def test_a_training_forward_without_labels_keeps_packed_samples_apart(recompute,
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
-@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
-def test_right_padding_with_targets_trains_as_transformers_does(recompute):
+def right_padded_with_targets(seed=2):
+    """``(ids, labels, attention_mask)`` ``(4, 10)`` as transformers' model tests write them (``labels = input_ids``,
+    padding after the real tokens): rows of 4, 10 (no padding) and 7 real tokens, and one of 5 real tokens after 2
+    of left padding; the padding after the real tokens has targets, the one before them is labelled -100."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (4, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 4:] = mask[2, 7:] = mask[3, :2] = mask[3, 7:] = 0
+    labels = ids.clone()
+    labels[3, :2] = -100
+    return ids, labels, mask
+
+
+POLICY_MODES = [*MODES, ("memo", "policy")]
+
+
+def _apply_mode(model, recompute, alpha):
+    """:func:`_apply`; alpha ``"policy"``: memo with layers that keep their attention output or do not."""
+    if alpha != "policy":
+        return _apply(model, recompute, alpha)
+    model = _apply(model, "memo", 0.5)
+    layers = (
+        LayerPolicy(keep_attention=False, on_host=True, alpha=0.5),
+        LayerPolicy(keep_attention=True, on_host=True, alpha=0.0),
+        LayerPolicy(keep_attention=False, on_host=False, alpha=1.0),
+    )
+    memo_runtime(model).assume_policy(MemoryPolicy(layers))
+    return model
+
+
+@pytest.mark.parametrize("recompute,alpha", POLICY_MODES, ids=[f"{m}-{a}" for m, a in POLICY_MODES])
+def test_right_padding_with_targets_trains_as_transformers_does(family, recompute, alpha):
     """transformers' model tests label right padding (``labels = input_ids`` with a lower-triangular mask): its
-    padding tokens attend to the real tokens before them, which only transformers' masks compute."""
-    reference = build_model("llama", num_hidden_layers=2)
-    model = _apply(copy.deepcopy(reference), recompute, None)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
-    mask = torch.tril(torch.ones_like(ids))[:3]
-    got = _step(model, input_ids=ids, labels=ids, attention_mask=mask)
-    want = _step(reference, input_ids=ids, labels=ids, attention_mask=mask)
+    padding queries attend to all the real tokens before them, and the loss trains them."""
+    reference = build_model(family, **_layers(family))
+    model = _apply_mode(copy.deepcopy(reference), recompute, alpha)
+    ids, labels, mask = right_padded_with_targets()
+    got = _step(model, input_ids=ids, labels=labels, attention_mask=mask)
+    want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
-def test_memo_refuses_right_padding_with_targets_naming_the_ignore_index():
-    model = _apply(build_model("llama", num_hidden_layers=2), "memo", 0.5)
-    ids = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="padding tokens after real ones with targets .* -100"):
-        model(input_ids=ids, labels=ids, attention_mask=torch.tril(torch.ones_like(ids))[:3])
+@pytest.mark.parametrize("alpha", [0.5, "policy"])
+def test_memo_right_padding_with_targets_and_ignored_padding_in_one_batch(alpha):
+    """Rows whose padding is labelled -100 beside rows whose padding has targets, and the tester's own batch shape
+    (a lower-triangular mask): memo attends the trained padding as transformers does and leaves the rest alone."""
+    reference = build_model("qwen3", num_hidden_layers=3)
+    model = _apply_mode(copy.deepcopy(reference), "memo", alpha)
+    ids = torch.randint(3, VOCAB, (5, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.tril(torch.ones(7, 7, dtype=torch.int64))[[0, 2, 3, 5, 6]]
+    labels = ids.clone()
+    labels[1, 3:] = -100
+    labels[2, 1] = -100
+    got = _step(model, input_ids=ids, labels=labels, attention_mask=mask)
+    want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_padding_with_targets_is_refused_where_attention_runs_per_sample():
+    """Sequence parallelism attends per sample after its exchange, where padding gets no attention."""
+    model = build_model("llama", num_hidden_layers=2)
+    ids, labels, mask = right_padded_with_targets()
+    with pytest.raises(ValueError, match="sequence parallelism .* ignore index"):
+        describe_training_batch(model, {"input_ids": ids, "attention_mask": mask}, labels, {}, per_sample=True)
 
 
 def test_a_cache_asked_for_in_a_training_step_still_keeps_samples_apart():

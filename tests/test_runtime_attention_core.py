@@ -134,3 +134,26 @@ def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
     assert not needs_kv_expansion("cpu-flash")  # torch 2.13, the version the suite runs
     monkeypatch.setattr(torch, "__version__", "2.12.1")
     assert needs_kv_expansion("cpu-flash")
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+@pytest.mark.parametrize("queries,keys", [(3, 5), (6, 2)])
+def test_non_causal_blocks_attend_every_query_to_every_key(dropout_p, queries, keys):
+    """``causal=False`` (the padding queries after a sample over its keys): q and k may differ in length."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, queries, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, keys, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
+    upstream = torch.randn(2, 4, queries, 8, dtype=torch.float64, generator=gen)
+    torch.manual_seed(9)
+    out, stats = attention_forward(q.detach(), k.detach(), v.detach(), 0.3, dropout_p, causal=False)
+    probs = (q @ expand_kv(k, 2).transpose(-1, -2) * 0.3).softmax(-1)
+    if dropout_p:
+        (seed,) = stats.extra
+        length = max(queries, keys)
+        probs = probs * keep_mask(seed, dropout_p, 2, 4, length, (0, queries), keys, q.device) / (1 - dropout_p)
+    want = probs @ expand_kv(v, 2)
+    want.backward(upstream)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    grads = attention_backward(upstream, q.detach(), k.detach(), v.detach(), out, stats, 0.3, causal=False)
+    for got, leaf in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)

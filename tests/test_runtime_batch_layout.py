@@ -68,3 +68,18 @@ def test_padding_to_a_longer_row_keeps_the_samples():
     layout = BatchLayout(5, (((0, 2), (2, 5)),))
     assert layout.padded_to(8).rows == layout.rows and layout.padded_to(8).length == 8
     assert BatchLayout(5).padded_to(8).plain
+
+
+def test_padding_with_targets_attends_to_its_rows_sample_as_a_non_causal_block():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    targets = torch.tensor([[5, 6, 7, 8], [-100, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    layout = describe_batch(4, 4, mask, shift_labels=targets)
+    assert layout.padding_attends
+    spans = [(0, (0, 2), (0, 2), True), (1, (1, 3), (1, 3), True), (2, (0, 4), (0, 4), True)]
+    assert layout.blocks(4) == [*spans, (0, (2, 4), (0, 2), False), (1, (3, 4), (1, 3), False)]
+    assert layout.padded_to(6).blocks(4)[3:] == [
+        (0, (2, 6), (0, 2), False),
+        (1, (3, 6), (1, 3), False),
+        (2, (4, 6), (0, 4), False),
+    ]
+    assert describe_batch(4, 4, mask).blocks(4) == spans  # padding without targets attends to nothing

@@ -35,6 +35,28 @@ def test_each_sample_attends_only_to_itself_and_padding_gets_nothing(kv_heads):
     assert (out[1, :, :2] == 0).all() and (dq[1, :, 11:] == 0).all() and (dk[1, :, :2] == 0).all()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_trained_padding_attends_as_transformers_causal_and_padding_mask_gives(kv_heads):
+    """Padding after a sample with targets: SDPA with transformers' mask (causal and real keys) on the whole row,
+    the queries of padding before a sample (all keys masked) giving zeros."""
+    gen = torch.Generator().manual_seed(1)
+    real = torch.tensor([[1] * 4 + [0] * 5, [0, 0] + [1] * 5 + [0, 0], [1] * 9])
+    q = torch.randn(3, 4, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(3, kv_heads, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
+    grad_out = torch.randn(3, 4, 9, 8, dtype=torch.float64, generator=gen)
+    layout = BatchLayout(9, (((0, 4),), ((2, 7),), ((0, 9),)), padding_attends=True)
+    out, stats = VarlenAttention(layout).forward(q.detach(), k.detach(), v.detach(), 0.3)
+    dq, dk, dv = VarlenAttention(layout).backward(grad_out, q, k, v, out, stats, 0.3)
+
+    mask = torch.ones(9, 9, dtype=torch.bool).tril() & real.bool()[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
+    want.backward(grad_out)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    for got, expected in zip((dq, dk, dv), (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert (out[1, :, :2] == 0).all() and (out[0, :, 4:] != 0).all()
+
+
 def test_plain_rows_use_the_whole_row_core():
     assert isinstance(attention_core_for(None), LocalAttention)
     assert isinstance(attention_core_for(BatchLayout(5)), LocalAttention)

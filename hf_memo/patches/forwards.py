@@ -229,10 +229,9 @@ def memo_layer_forward(
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:
         raise ValueError(
-            "recompute='memo' takes the samples of a batch from the causal LM's training forward (with labels and a "
-            "2-D attention_mask or packed position_ids); it got an attention mask outside such a step, padding "
-            "tokens after real ones with targets in the labels (label padding with the ignore index, -100: memo "
-            "gives padding no attention), or cross-attention inputs"
+            "recompute='memo' takes the samples of a batch from the model's training forward (a 2-D attention_mask "
+            "or packed position_ids); it got an attention mask outside such a step (e.g. a 4-D one) or "
+            "cross-attention inputs"
         )
     window = family.sliding_window(layer)
     longest = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)

@@ -44,13 +44,14 @@ def describe_training_batch(
         applies as given) and without an ``attention_mask`` that marks no padding. When the model
         attends per sample (:mod:`.sample_attention`) and the layout is not plain, the mask is an
         empty 4-D one: transformers takes it as given and builds none. A batch whose padding after
-        real tokens has targets (``padding_attends``) keeps its mask and gets ``None`` as its layout:
-        transformers' own masks give those padding tokens the attention it trains them with.
+        real tokens has targets (``padding_attends``) keeps its 2-D mask: the attention implementations
+        then use transformers' own masks, which give that padding the attention it is trained with, and
+        the memo executor, which reads no mask, the layout's padding blocks (the same attention).
 
     Raises:
         ValueError: see :func:`describe_batch`; also padding together with packed samples where
-            transformers' masks would attend across them, and packed samples with an attention
-            implementation that ignores them.
+            transformers' masks would attend across them, packed samples with an attention
+            implementation that ignores them, and padding with targets under sequence parallelism.
     """
     mask = arguments.get("attention_mask")
     if mask is not None and mask.dim() != 2:
@@ -69,8 +70,13 @@ def describe_training_batch(
                 "a padding token after real tokens (attention_mask 0) has a target in the labels of a batch with "
                 "packed samples; label padding with the ignore index (-100)"
             )
-        # One sample per row: transformers' own masks give its padding tokens their attention (no layout to use).
-        return {**arguments, LAYOUT_KEYWORD: None}
+        if per_sample:
+            raise ValueError(
+                "a padding token after real tokens (attention_mask 0) has a target in the labels, and sequence "
+                "parallelism attends per sample (padding gets no attention there); label padding with the ignore "
+                "index (-100)"
+            )
+        return {**arguments, LAYOUT_KEYWORD: layout}
     if needs_masks_transformers_lacks(layout, batch) and not (per_sample or attends_per_sample(model)):
         raise ValueError(
             "this batch has padding (attention_mask zeros) and packed samples (position_ids restarting inside a "

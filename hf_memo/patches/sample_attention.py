@@ -40,8 +40,9 @@ def sample_attention(
 ) -> tuple[torch.Tensor, None]:
     """``inner`` per sample of the step's layout (``(B, h, S, D)`` q, ``(B, h_kv, S, D)`` k/v -> ``(B, S, h, D)``).
 
-    Without a layout in ``kwargs`` (evaluation, generation, calls without labels) ``inner`` runs
-    with ``attention_mask`` as transformers built it.
+    Without a layout in ``kwargs`` (evaluation, generation, calls without labels), or with one whose
+    padding attends (``padding_attends``: transformers' masks give that padding its attention), ``inner``
+    runs with ``attention_mask`` as transformers built it.
 
     Raises:
         ValueError: ``sdpa`` with a sliding window shorter than the longest sample (it needs a mask).
@@ -49,7 +50,7 @@ def sample_attention(
     attend = ALL_ATTENTION_FUNCTIONS[inner]
     layout = kwargs.pop(LAYOUT_KEYWORD, None)
     view = InnerModuleView(module, inner)
-    if layout is None:
+    if layout is None or layout.padding_attends:
         return attend(view, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     if inner == "sdpa" and window is not None and layout.longest() > window:

@@ -1,5 +1,9 @@
 """Causal attention as an explicit forward/backward pair, so backward never recomputes attention.
 
+``causal=False`` attends every query to every key (``q`` and ``k`` may then differ in length): the
+block of padding queries after a sample that attend to all of its tokens (see
+:meth:`~hf_memo.runtime.batch_layout.BatchLayout.blocks`).
+
 ``forward`` returns the output and the statistics its backward needs (softmax ``lse``, dropout
 probability and what replays the dropout mask); ``backward`` takes them back. Backends
 (:func:`select_backend`):
@@ -122,7 +126,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0, causal: bool = True
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Causal attention output ``(B, h, S, D)`` (laid out like ``q``) and its statistics, building no graph.
 
@@ -132,6 +136,7 @@ def attention_forward(
             would be.
         scale: softmax scale (usually ``D ** -0.5``).
         dropout_p: probability of dropping an attention probability (training), as in SDPA.
+        causal: ``False``: every query attends to every key, and k, v may hold ``S_k != S`` tokens.
     """
     dtype = _compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -141,25 +146,25 @@ def attention_forward(
         k, v = expand_kv(k, groups), expand_kv(v, groups)
     with torch.no_grad():
         if backend == "cpu-flash":
-            out, lse = _ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            out, lse = _ops._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             return out, AttentionStats(lse)
         if backend == "cpu-dropout":
             seed = draw_seed()
-            out, lse = dropout_attention_forward(q, k, v, scale, dropout_p, seed)
+            out, lse = dropout_attention_forward(q, k, v, scale, dropout_p, seed, causal)
             return out, AttentionStats(lse, (seed,), dropout_p)
         if backend == "flash-attn":
             fa = flash_attn_package.flash_attn_interface()
             out, lse, rng_state = flash_attn_package.forward(
-                fa, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, dropout_p
+                fa, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, dropout_p, causal
             )
             return out.transpose(1, 2), AttentionStats(lse, (rng_state,), dropout_p)
         if backend == "cuda-flash":
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = _ops._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, True, False, scale=scale
+                q, k, v, dropout_p, causal, False, scale=scale
             )
             return out, AttentionStats(lse, (cum_q, cum_k, max_q, max_k, seed, offset), dropout_p)
         out, lse, seed, offset = _ops._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, dropout_p, True, scale=scale
+            q, k, v, None, True, dropout_p, causal, scale=scale
         )
         return out, AttentionStats(lse, (seed, offset), dropout_p)
 
@@ -172,10 +177,11 @@ def attention_backward(
     out: torch.Tensor,
     stats: AttentionStats,
     scale: float,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of causal attention from its saved output and statistics.
 
-    Shapes as in :func:`attention_forward`; the dropout mask of the forward is replayed from ``stats``.
+    Shapes and ``causal`` as in :func:`attention_forward`; the dropout mask of the forward is replayed from ``stats``.
     ``dk, dv`` come back with ``h_kv`` heads, and each gradient in the dtype of its input (the backward
     of the forward's cast).
     """
@@ -189,11 +195,11 @@ def attention_backward(
         grad_out = grad_out.contiguous()
     if backend == "cpu-flash":
         dq, dk, dv = _ops._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, stats.lse, 0.0, True, scale=scale
+            grad_out, q, k, v, out, stats.lse, 0.0, causal, scale=scale
         )
     elif backend == "cpu-dropout":
         (seed,) = stats.extra
-        dq, dk, dv = dropout_attention_backward(grad_out, q, k, v, out, stats.lse, scale, p, seed)
+        dq, dk, dv = dropout_attention_backward(grad_out, q, k, v, out, stats.lse, scale, p, seed, causal)
     elif backend == "flash-attn":
         (rng_state,) = stats.extra
         dq, dk, dv = flash_attn_package.backward(
@@ -203,17 +209,18 @@ def attention_backward(
             rng_state,
             scale,
             p,
+            causal,
         )
         dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     elif backend == "cuda-flash":
         cum_q, cum_k, max_q, max_k, seed, offset = stats.extra
         dq, dk, dv = _ops._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, stats.lse, cum_q, cum_k, max_q, max_k, p, True, seed, offset, scale=scale
+            grad_out, q, k, v, out, stats.lse, cum_q, cum_k, max_q, max_k, p, causal, seed, offset, scale=scale
         )
     else:
         seed, offset = stats.extra
         dq, dk, dv, _ = _ops._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, None, out, stats.lse, seed, offset, p, [True, True, True, False], True, scale=scale
+            grad_out, q, k, v, None, out, stats.lse, seed, offset, p, [True, True, True, False], causal, scale=scale
         )
     grads = (dq, reduce_kv(dk, groups), reduce_kv(dv, groups))
     return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes))

@@ -5,8 +5,11 @@ its left and/or right), or several packed samples (``position_ids`` restarting, 
 sample's first token, as transformers' ``DataCollatorWithFlattening`` and TRL's padding-free
 collators write them). A :class:`BatchLayout` lists each row's samples as ``[start, stop)`` spans,
 ``cu_seqlens``-style: a token attends causally to the tokens of its own span; padding tokens are in
-no span, attend to nothing (their attention output is zero, as PyTorch's SDPA gives a query whose
-keys are all masked) and are attended by nothing.
+no span and are attended by nothing. A padding token attends to nothing (its attention output is
+zero, as PyTorch's SDPA gives a query whose keys are all masked), except where the labels give
+padding after a row's sample a target (``padding_attends``): those padding queries attend to every
+token of the sample before them, as transformers' causal-and-padding masks let them (see
+:meth:`BatchLayout.blocks`).
 
 :func:`describe_batch` derives it once per training step, reading the mask, the positions and the
 targets to the host in one transfer (none at all for a batch with neither mask nor positions), and
@@ -21,6 +24,9 @@ from dataclasses import dataclass
 import torch
 
 Span = tuple[int, int]
+Block = tuple[int, Span, Span, bool]
+"""``(row, queries, keys, causal)``: queries ``[start, stop)`` of a row attend to its keys ``[start, stop)``,
+causally (query ``i`` to keys up to ``i``) or to all of them."""
 
 
 @dataclass(frozen=True)
@@ -31,9 +37,10 @@ class BatchLayout:
         length: ``S``, the row length.
         rows: per row, the ``(start, stop)`` span of each sample in order; ``None`` when every row is
             one sample over the whole row (plain causal attention, nothing to look up).
-        padding_attends: a padding token after real tokens has a target: transformers lets it attend to the
-            real tokens before it, which only transformers' own masks compute (per-sample attention gives
-            padding no output).
+        padding_attends: a padding token after a row's sample has a target in the labels. transformers'
+            masks (causal and padding) let every padding query after the sample attend to all of that
+            sample's tokens, and the loss trains those queries, so the padding after each row's (only)
+            sample attends to it here too (:meth:`blocks`). Rows then hold at most one sample.
     """
 
     length: int
@@ -56,6 +63,23 @@ class BatchLayout:
             return [(row, (0, self.length)) for row in range(batch)]
         return [(row, span) for row, spans in enumerate(self.rows) for span in spans]
 
+    def blocks(self, batch: int) -> list[Block]:
+        """Every attention block of a ``batch``-row batch, row by row: each sample causally over itself, and with
+        ``padding_attends`` the padding after a row's sample (queries ``[stop, S)``) over all of that sample's
+        tokens (keys ``[start, stop)``, not causal: every key precedes every such query).
+
+        This is exactly what transformers' causal mask combined with a right-padding ``attention_mask`` computes
+        for those rows (a padding query at position ``p`` sees the real keys up to ``p``); padding before a
+        sample and padding in a row without a sample attend to nothing.
+        """
+        blocks: list[Block] = [(row, span, span, True) for row, span in self.spans(batch)]
+        if self.padding_attends and self.rows is not None:
+            for row, spans in enumerate(self.rows):
+                if spans and spans[-1][1] < self.length:
+                    start, stop = spans[-1]
+                    blocks.append((row, (stop, self.length), (start, stop), False))
+        return blocks
+
     def longest(self) -> int:
         """Tokens of the longest sample."""
         if self.rows is None:
@@ -74,9 +98,9 @@ class BatchLayout:
         """The same samples in rows extended to ``length >= S`` tokens at the end.
 
         A plain layout stays plain (a causal token never attends to later ones); otherwise the new
-        tokens are padding.
+        tokens are padding (attending like the row's other padding after its sample).
         """
-        return BatchLayout(length, self.rows)
+        return BatchLayout(length, self.rows, self.padding_attends)
 
 
 LAYOUT_KEYWORD = "hf_memo_layout"
@@ -104,7 +128,7 @@ def describe_batch(
             padding token after a real one has a target.
 
     A padding token after real ones with a target (transformers lets it attend to the real tokens
-    before it, which padding-free attention does not) sets ``padding_attends``. Padding together with
+    before it) sets ``padding_attends`` (see :meth:`BatchLayout.blocks`). Padding together with
     packed samples gives a layout, though transformers' own masks would let those samples attend to
     each other (see :func:`needs_masks_transformers_lacks`).
 

@@ -93,17 +93,20 @@ def _unstack_groups(t: torch.Tensor, heads: int) -> torch.Tensor:
 class _Block:
     """Scores, probabilities and kept mask of query rows ``[start, stop)`` (stacked per KV head)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, scale: float, p: float, seed: int):
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, start: int, stop: int, scale: float, p: float, seed: int, causal: bool
+    ):
         batch, heads, seq, _ = q.shape
         kv_heads = k.shape[1]
+        self.keys = stop if causal else k.shape[2]  # keys [0, keys) some query of the block attends to
         self.q = _stack_groups(q[:, :, start:stop], kv_heads)  # (B, h_kv, g * r, D)
-        self.k = k[:, :, :stop]
-        scores = self.q @ self.k.transpose(-1, -2) * scale  # (B, h_kv, g * r, stop)
-        query_pos = torch.arange(start, stop, device=q.device).repeat(heads // kv_heads)
-        self.future = torch.arange(stop, device=q.device) > query_pos[:, None]
-        self.scores = scores.masked_fill(self.future, float("-inf"))
-        mask = keep_mask(seed, p, batch, heads, seq, (start, stop), stop, q.device)
-        self.keep = _stack_groups(mask, kv_heads).to(scores.dtype) / (1.0 - p)  # kept entries scaled by 1/(1-p)
+        self.k = k[:, :, : self.keys]
+        self.scores = self.q @ self.k.transpose(-1, -2) * scale  # (B, h_kv, g * r, keys)
+        if causal:
+            query_pos = torch.arange(start, stop, device=q.device).repeat(heads // kv_heads)
+            self.scores = self.scores.masked_fill(torch.arange(stop, device=q.device) > query_pos[:, None], -torch.inf)
+        mask = keep_mask(seed, p, batch, heads, max(seq, self.keys), (start, stop), self.keys, q.device)
+        self.keep = _stack_groups(mask, kv_heads).to(self.scores.dtype) / (1.0 - p)  # kept entries scaled by 1/(1-p)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,26 +114,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def dropout_attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, p: float, seed: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, p: float, seed: int, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention with dropout: ``out`` in ``q``'s layout and dtype, ``lse (B, h, S)``.
 
     Args:
         q: ``(B, h, S, D)``; k, v: ``(B, h_kv, S, D)``, ``h % h_kv == 0``, any strides.
         p: dropout probability in ``(0, 1)``; seed: the mask seed (:func:`draw_seed`).
+        causal: ``False``: every query attends to every key, and k, v may hold ``S_k != S`` tokens.
     """
     batch, heads, seq, _ = q.shape
     work = _compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, seq, dtype=work, device=q.device)
-    rows = _block_rows(batch, heads, seq)
+    rows = _block_rows(batch, heads, max(seq, k.shape[2]))
     for start in range(0, seq, rows):
         stop = min(seq, start + rows)
-        block = _Block(qw, kw, start, stop, scale, p, seed)
+        block = _Block(qw, kw, start, stop, scale, p, seed, causal)
         block_lse = torch.logsumexp(block.scores, dim=-1, keepdim=True)
         probs = torch.exp(block.scores - block_lse)
-        o = (probs * block.keep) @ vw[:, :, :stop]
+        o = (probs * block.keep) @ vw[:, :, : block.keys]
         out[:, :, start:stop] = _unstack_groups(o, heads).to(q.dtype)
         lse[:, :, start:stop] = _unstack_groups(block_lse, heads)[..., 0]
     return out, lse
@@ -146,8 +150,9 @@ def dropout_attention_backward(
     scale: float,
     p: float,
     seed: int,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`dropout_attention_forward` with the same ``p`` and ``seed``, each in its input's
+    """``(dq, dk, dv)`` of :func:`dropout_attention_forward` with the same ``p``, ``seed`` and ``causal``, each in its input's
     layout and dtype (shapes as in the forward)."""
     batch, heads, seq, _ = q.shape
     kv_heads = k.shape[1]
@@ -156,18 +161,19 @@ def dropout_attention_backward(
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=work, device=k.device)
     dv = torch.zeros(v.shape, dtype=work, device=v.device)
-    rows = _block_rows(batch, heads, seq)
+    rows = _block_rows(batch, heads, max(seq, k.shape[2]))
     for start in range(0, seq, rows):
         stop = min(seq, start + rows)
-        block = _Block(qw, kw, start, stop, scale, p, seed)
+        block = _Block(qw, kw, start, stop, scale, p, seed, causal)
+        keys = block.keys
         block_lse = _stack_groups(lse[:, :, start:stop, None].to(work), kv_heads)
         probs = torch.exp(block.scores - block_lse)
         dropped = probs * block.keep
         d_out = _stack_groups(grad_out[:, :, start:stop].to(work), kv_heads)
         o = _stack_groups(out[:, :, start:stop].to(work), kv_heads)
-        dv[:, :, :stop] += dropped.transpose(-1, -2) @ d_out
-        d_probs = (d_out @ vw[:, :, :stop].transpose(-1, -2)) * block.keep
+        dv[:, :, :keys] += dropped.transpose(-1, -2) @ d_out
+        d_probs = (d_out @ vw[:, :, :keys].transpose(-1, -2)) * block.keep
         d_scores = probs * (d_probs - (d_out * o).sum(-1, keepdim=True))
         dq[:, :, start:stop] = _unstack_groups(d_scores @ block.k * scale, heads).to(q.dtype)
-        dk[:, :, :stop] += d_scores.transpose(-1, -2) @ block.q * scale
+        dk[:, :, :keys] += d_scores.transpose(-1, -2) @ block.q * scale
     return dq, dk.to(k.dtype), dv.to(v.dtype)

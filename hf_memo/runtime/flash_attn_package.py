@@ -64,17 +64,23 @@ def flash_attn_interface() -> ModuleType | None:
 
 
 def forward(
-    fa: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+    fa: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout_p: float,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention: q ``(B, S, h, D)``, k, v ``(B, S, h_kv, D)`` -> out ``(B, S, h, D)``, lse ``(B, h, S)``,
-    and the ``rng_state`` that replays the dropout mask."""
+    and the ``rng_state`` that replays the dropout mask. ``causal=False``: every query attends to every key."""
     out, lse, _, rng_state = fa._flash_attn_forward(
         q=q,
         k=k,
         v=v,
         dropout_p=dropout_p,
         softmax_scale=scale,
-        causal=True,
+        causal=causal,
         window_size_left=-1,
         window_size_right=-1,
         softcap=0.0,
@@ -95,6 +101,7 @@ def backward(
     rng_state: torch.Tensor,
     scale: float,
     dropout_p: float,
+    causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the layouts of ``q, k, v`` (``(B, S, h, D)``, ``(B, S, h_kv, D)``), replaying the forward's
     dropout mask from its ``rng_state``."""
@@ -111,7 +118,7 @@ def backward(
         dv=dv,
         dropout_p=dropout_p,
         softmax_scale=scale,
-        causal=True,
+        causal=causal,
         window_size_left=-1,
         window_size_right=-1,
         softcap=0.0,

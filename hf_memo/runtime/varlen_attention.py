@@ -1,8 +1,11 @@
 """The memo executor's attention core for rows holding several samples or padding (see :mod:`.batch_layout`).
 
 It runs :func:`~hf_memo.runtime.attention_core.attention_forward` / ``attention_backward`` once per
-sample, on that sample's ``[start, stop)`` slice of the row: a token attends causally within its own
-sample, padding tokens get a zero output and a zero gradient, and the work is ``Σ sᵢ²``, not ``S²``.
+block of :meth:`~hf_memo.runtime.batch_layout.BatchLayout.blocks`: per sample on its ``[start, stop)``
+slice of the row (a token attends causally within its own sample), and where the labels train the
+padding after a sample, once more for those padding queries over all of the sample's keys (not
+causal), as transformers' masks give them. Other padding tokens get a zero output and a zero gradient,
+and the work is ``Σ sᵢ²`` (plus the padding blocks), not ``S²``.
 
 Per-sample calls rather than one block-causal masked call: PyTorch's flash kernels take no
 ``cu_seqlens``, and a block-diagonal mask makes them compute (and the mask hold) all ``S²`` pairs.
@@ -23,11 +26,11 @@ from hf_memo.runtime.batch_layout import BatchLayout
 
 
 class VarlenAttention:
-    """Causal attention within each sample of a :class:`BatchLayout`, on ``(B, h, S, D)`` tensors.
+    """Attention over the blocks of a :class:`BatchLayout` (:meth:`~BatchLayout.blocks`), on ``(B, h, S, D)`` tensors.
 
     The output is a view of ``(B, S, h, D)`` memory, as the executor keeps it (its rows are views).
-    The statistics hold every sample's softmax statistics flattened into one tensor (so the executor
-    stashes a single one); ``extra`` keeps each sample's shape and backend extras to split it again.
+    The statistics hold every block's softmax statistics flattened into one tensor (so the executor
+    stashes a single one); ``extra`` keeps each block's shape and backend extras to split it again.
     """
 
     def __init__(self, layout: BatchLayout) -> None:
@@ -36,15 +39,16 @@ class VarlenAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
     ) -> tuple[torch.Tensor, AttentionStats]:
-        """Output ``(B, h, S, D)`` (zeros on padding) and the statistics its :meth:`backward` needs."""
+        """Output ``(B, h, S, D)`` (zeros on padding that attends to nothing) and the statistics its
+        :meth:`backward` needs."""
         out = None
         lses, extras = [], []
-        for row, (start, stop) in self.layout.spans(q.shape[0]):
-            part = slice(row, row + 1), slice(None), slice(start, stop)
-            piece, stats = attention_forward(q[part], k[part], v[part], scale, dropout_p)
+        for row, queries, keys, causal in self.layout.blocks(q.shape[0]):
+            rows, keys = _part(row, queries), _part(row, keys)
+            piece, stats = attention_forward(q[rows], k[keys], v[keys], scale, dropout_p, causal)
             if out is None:
                 out = _sequence_major_zeros(q, v.shape[-1], piece.dtype)
-            out[part] = piece
+            out[rows] = piece
             lses.append(stats.lse.reshape(-1))
             extras.append((stats.lse.shape, stats.extra))
         if out is None:  # only padding: nothing attends
@@ -62,18 +66,27 @@ class VarlenAttention:
         stats: AttentionStats,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the shapes, dtypes and memory layouts of ``q, k, v``; zero on padding."""
+        """``(dq, dk, dv)`` in the shapes, dtypes and memory layouts of ``q, k, v``; zero on padding that is in no
+        block."""
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         offset = 0
-        for (row, (start, stop)), (shape, extra) in zip(self.layout.spans(q.shape[0]), stats.extra):
-            part = slice(row, row + 1), slice(None), slice(start, stop)
+        for (row, queries, keys, causal), (shape, extra) in zip(self.layout.blocks(q.shape[0]), stats.extra):
+            rows, keys = _part(row, queries), _part(row, keys)
             size = shape.numel()
-            sample_stats = AttentionStats(stats.lse[offset : offset + size].view(shape), extra, stats.dropout_p)
+            block_stats = AttentionStats(stats.lse[offset : offset + size].view(shape), extra, stats.dropout_p)
             offset += size
-            grads = attention_backward(grad_out[part], q[part], k[part], v[part], out[part], sample_stats, scale)
-            for total, grad in zip((dq, dk, dv), grads):
-                total[part] = grad
+            grad_q, grad_k, grad_v = attention_backward(
+                grad_out[rows], q[rows], k[keys], v[keys], out[rows], block_stats, scale, causal
+            )
+            dq[rows] += grad_q  # a padding block's keys are its sample's: their gradients add up
+            dk[keys] += grad_k
+            dv[keys] += grad_v
         return dq, dk, dv
+
+
+def _part(row: int, span: tuple[int, int]) -> tuple[slice, slice, slice]:
+    """The index of ``span``'s tokens of ``row`` in a ``(B, h, S, D)`` tensor."""
+    return slice(row, row + 1), slice(None), slice(*span)
 
 
 def _sequence_major_zeros(q: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
