@@ -214,17 +214,20 @@ def memo_layer_forward(
 ) -> Any:
     """Decoder-layer forward under the memo executor (training with gradients); otherwise the original.
 
-    Training forwards without labels run here too (the layer does not know about the head).
+    Training forwards without labels run here too (the layer does not know about the head). A layer whose
+    checkpoint function is one of one's own (see :meth:`HFCheckpointingTakeover.custom_checkpoint`) runs
+    through that function instead: it decides what the layer keeps, and the executor keeps nothing for it.
     """
     if not (layer.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     arguments = _bound_arguments(inner, args, kwargs)
+    custom = takeover.custom_checkpoint(layer)  # transformers' own checkpointing is replaced by the executor's
+    if custom is not None:
+        return _through_checkpoint_function(custom, takeover, layer, inner, arguments)
     hidden = arguments["hidden_states"]
     params = trainable_params(layer)
     if not (hidden.requires_grad or params):
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
-    if getattr(layer, "gradient_checkpointing", False):
-        takeover.log()  # the executor recomputes what it needs; a layer checkpoint function is not called
     layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:
@@ -291,18 +294,37 @@ def checkpointed_layer_forward(
     if not (layer.training and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     arguments = _bound_arguments(inner, args, kwargs)
+    custom = takeover.custom_checkpoint(layer)
+    if custom is not None:
+        return _through_checkpoint_function(custom, takeover, layer, inner, arguments)
+    hidden, arguments, run = _recomputable(takeover, layer, inner, arguments)
+    if config.recompute == "selective":
+        context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
+        return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
+    return checkpoint(run, hidden, use_reentrant=False, **arguments)
+
+
+def _recomputable(
+    takeover: HFCheckpointingTakeover, layer: nn.Module, inner: Callable, arguments: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, Any], Callable]:
+    """``(hidden_states (B, S, H), the other arguments, run)``: ``run(hidden_states, **others)`` is the layer's forward
+    without Hugging Face's checkpointing, writing no KV cache (a recomputation must not write it a second time)."""
+    arguments = dict(arguments)
     hidden = arguments.pop("hidden_states")
-    if "past_key_values" in arguments:  # the recomputation must not write the KV cache a second time
+    if "past_key_values" in arguments:
         arguments["past_key_values"] = None
     arguments["use_cache"] = False
 
     def run(hidden_states: torch.Tensor, **named: Any) -> Any:
         return takeover.call(layer, inner, hidden_states=hidden_states, **named)
 
-    custom = takeover.custom_checkpoint(layer)
-    if custom is not None:
-        return custom(partial(run, **arguments), hidden)
-    if config.recompute == "selective":
-        context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
-        return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
-    return checkpoint(run, hidden, use_reentrant=False, **arguments)
+    return hidden, arguments, run
+
+
+def _through_checkpoint_function(
+    function: Callable, takeover: HFCheckpointingTakeover, layer: nn.Module, inner: Callable, arguments: dict[str, Any]
+) -> Any:
+    """The layer's forward through a checkpoint function of one's own, called as transformers calls it:
+    ``function(forward, hidden_states)``."""
+    hidden, arguments, run = _recomputable(takeover, layer, inner, arguments)
+    return function(partial(run, **arguments), hidden)
