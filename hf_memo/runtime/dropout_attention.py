@@ -152,8 +152,8 @@ def dropout_attention_backward(
     seed: int,
     causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`dropout_attention_forward` with the same ``p``, ``seed`` and ``causal``, each in its input's
-    layout and dtype (shapes as in the forward)."""
+    """``(dq, dk, dv)`` of :func:`dropout_attention_forward` with the same ``p``, ``seed`` and ``causal``, each in
+    its input's layout and dtype (shapes as in the forward)."""
     batch, heads, seq, _ = q.shape
     kv_heads = k.shape[1]
     work = _compute_dtype(q.dtype)
