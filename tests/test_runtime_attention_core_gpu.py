@@ -142,3 +142,19 @@ def test_memo_with_attention_dropout_tracks_unpatched_sdpa_on_the_gpu(torch_kern
     different = max(_relative(g, r) for g, r in zip(other_grads, ref_grads))
     assert same < 0.1 * different and same < 5e-2, (same, different)
     assert abs(memo_loss - ref_loss) < 0.1 * abs(other_loss - ref_loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_non_causal_blocks_of_other_key_lengths_against_sdpa(torch_kernels, dtype, kv_heads):
+    """``causal=False`` with fewer queries than keys (the trained padding after a sample over its tokens)."""
+    q, _, _, upstream = _inputs(dtype, 4, kv_heads, seq=70)
+    _, k, v, _ = _inputs(dtype, 4, kv_heads, seq=230)
+    out, stats = attention_forward(q, k, v, 0.125, causal=False)
+    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125, causal=False)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, scale=0.125, enable_gqa=kv_heads != 4)
+    want.backward(upstream)
+    for got, ref in zip((out, dq, dk, dv), (want.detach(), *(t.grad for t in leaves))):
+        assert got.shape == ref.shape
+        _close(got, ref, dtype)
