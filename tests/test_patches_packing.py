@@ -10,6 +10,7 @@ default ``use_cache=True`` is left in place: a training step must still keep sam
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import hf_memo
 from hf_memo.patches.apply import memo_runtime
 from hf_memo.patches.packing import describe_training_batch
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from tests.conftest import VOCAB, ShapeRecorder, assert_same_grads, build_model
 from tests.test_patches_forwards_layers import OpCounter
 
@@ -183,6 +185,17 @@ def test_memo_right_padding_with_targets_and_ignored_padding_in_one_batch(alpha)
     want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+@pytest.mark.parametrize("implementation,attends", [("sdpa", True), ("eager", True), ("flash_attention_2", False)])
+def test_padding_attends_where_the_models_attention_lets_it(implementation, attends):
+    """transformers' flash-attention path unpads the batch (padding queries get nothing); eager and sdpa masks let
+    trained padding attend to its sample."""
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+    ids, labels, mask = right_padded_with_targets()
+    arguments = describe_training_batch(model, {"input_ids": ids, "attention_mask": mask}, labels, {})
+    assert arguments[LAYOUT_KEYWORD].padding_attends is attends
+    assert arguments[LAYOUT_KEYWORD].rows == (((0, 4),), ((0, 10),), ((0, 7),), ((2, 7),))
 
 
 def test_padding_with_targets_is_refused_where_attention_runs_per_sample():

@@ -9,6 +9,7 @@ turns the cache off. What the layout cannot express, or transformers would get w
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, describe_batch, needs_m
 
 # Attention implementations that see packed samples: through the mask transformers builds from
 # position_ids (eager, sdpa, flex) or through position_ids themselves (flash-attention).
-PACKING_AWARE = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+PACKING_AWARE = ("eager", "sdpa", "flex_attention", *FLASH)
 
 
 def describe_training_batch(
@@ -44,7 +46,8 @@ def describe_training_batch(
         applies as given) and without an ``attention_mask`` that marks no padding. When the model
         attends per sample (:mod:`.sample_attention`) and the layout is not plain, the mask is an
         empty 4-D one: transformers takes it as given and builds none. A batch whose padding after
-        real tokens has targets (``padding_attends``) keeps its 2-D mask: the attention implementations
+        real tokens has targets (``padding_attends``; not with flash attention, whose padding gets no
+        attention in transformers either) keeps its 2-D mask: the attention implementations
         then use transformers' own masks, which give that padding the attention it is trained with, and
         the memo executor, which reads no mask, the layout's padding blocks (the same attention).
 
@@ -64,6 +67,9 @@ def describe_training_batch(
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
     implementation = model.config._attn_implementation
+    if layout.padding_attends and implementation in FLASH:
+        # transformers' flash-attention path unpads the batch: its padding queries get no attention, targets or not.
+        layout = dataclasses.replace(layout, padding_attends=False)
     if layout.padding_attends:
         if layout.packed:
             raise ValueError(
