@@ -124,6 +124,7 @@ def test_memo_leaves_a_layer_with_a_checkpoint_function_of_its_own_to_it_and_che
     ]
     torch.testing.assert_close(loss, _step(reference, ids, labels), rtol=1e-6, atol=0)
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert runtime.device_buffer_bytes == 0  # the prefetch buffers went after layer 1, the lowest memo ran
 
 
 def test_models_built_with_checkpointing_in_their_config_are_patched_at_construction():

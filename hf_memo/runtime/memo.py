@@ -396,7 +396,9 @@ class MemoRuntime:
             below().prefetch()
 
     def backward_done(self, index: int, device: torch.device) -> None:
-        if index == 0:
+        """After the lowest layer the executor ran (layer 0, or the next one up when layers below ran outside it,
+        e.g. under a checkpoint function of their own), the prefetch buffers are free."""
+        if not any(ref() is not None for below, ref in self._latest.items() if below < index):
             self._transport(device).prefetch.release_all()
 
     def attention_ran(self) -> None:
