@@ -323,3 +323,19 @@ def test_memo_under_the_trainer_matches_plain_training_step_by_step(tmp_path):
         losses[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses["memo"]) == 2
     torch.testing.assert_close(torch.tensor(losses["memo"]), torch.tensor(losses["plain"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_memo_bounds_a_chunks_intermediate_over_the_whole_batch(batch, monkeypatch):
+    """``max_chunk_elements`` caps a chunk's MLP intermediate ``(B, S / chunks, I)``: the chunk count grows with B."""
+    model = _build("llama")
+    reference = copy.deepcopy(model)
+    width = model.config.intermediate_size
+    cut = []
+    original = hf_memo.patches.forwards.chunk_bounds
+    monkeypatch.setattr(hf_memo.patches.forwards, "chunk_bounds", lambda rows, n: cut.append(n) or original(rows, n))
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.5, min_chunk_tokens=1, max_chunk_elements=6 * width)
+    ids, labels = make_batch(batch, 24)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+    assert set(cut) == {24 // (6 // batch)}  # at most 6 tokens per chunk: 6 rows of one sequence, 1 row of 4

@@ -246,8 +246,16 @@ def memo_layer_forward(
         )
     split = family.split(layer, arguments.get("position_embeddings"))
     width = family.intermediate_size(layer_config(layer))
+    # A chunk is S / chunks rows of each of the B sequences: max_chunk_elements bounds its intermediate
+    # (B, S / chunks, I) and min_chunk_tokens its B * S / chunks tokens, as in the mini-sequence MLP.
+    batch = hidden.shape[0]
     chunks = resolve_chunks(
-        config.mlp_chunks, hidden.shape[1], width, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
+        config.mlp_chunks,
+        hidden.shape[1],
+        width,
+        hidden.shape[-1],
+        -(-config.min_chunk_tokens // batch),
+        max(1, config.max_chunk_elements // batch),
     )
     bounds = chunk_bounds(hidden.shape[1], chunks)
     core = attention_core_for(layout)
