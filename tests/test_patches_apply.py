@@ -161,3 +161,26 @@ def test_bad_overrides_raise_value_errors():
     with pytest.raises(ValueError, match="unknown MemoConfig field"):
         hf_memo.apply(model, chunk_count=3)
     assert hf_memo.applied_config(model) is None
+
+
+def test_revert_keeps_a_forward_wrapped_after_apply_and_makes_it_plain():
+    """As TRL does, a library wraps ``model.forward`` after hf_memo patched it: revert leaves the wrapper in place
+    (dropping it would lose that library's behaviour) and the wrapper then reaches the unpatched forward."""
+    model, reference = model_pair("llama")
+    hf_memo.apply(model, mlp_chunks=3, lm_head_chunks=3)
+    patched, calls = model.forward, []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return patched(*args, **kwargs)
+
+    model.forward = wrapper
+    ids, labels = make_batch(2, 13)
+    assert model(input_ids=ids, labels=labels).logits is None  # the chunked head keeps no logits in training
+    hf_memo.revert(model)
+    assert model.forward is wrapper and hf_memo.applied_config(model) is None
+    out = model(input_ids=ids, labels=labels)
+    want = reference(input_ids=ids, labels=labels)
+    assert len(calls) == 2 and torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss)
+    hf_memo.apply(model, mlp_chunks=3)  # patching again wraps the wrapper, and still computes the same loss
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, want.loss, rtol=1e-6, atol=0)

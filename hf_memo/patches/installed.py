@@ -16,30 +16,40 @@ class InstalledForward:
 
     ``inner`` is the forward it replaced. ``inspect.signature`` sees ``inner``'s signature (the
     Trainer reads it to find loss kwargs and dataset columns), and ``copy.deepcopy`` of the model
-    rebinds the copy to the copied module instead of the original.
+    rebinds the copy to the copied module instead of the original. Once ``active`` is false (reverted
+    while another library's forward wraps it) it calls ``inner`` unchanged.
     """
 
     def __init__(self, module: Any, inner: Callable, impl: Callable) -> None:
         self.module = module
         self.inner = inner
         self.impl = impl
+        self.active = True
         self.__wrapped__ = inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.inner(*args, **kwargs)
         return self.impl(self.module, self.inner, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> InstalledForward:
-        return InstalledForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.inner, memo), self.impl)
+        copied = InstalledForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.inner, memo), self.impl)
+        copied.active = self.active
+        return copied
 
 
 class PatchRecord:
-    """Instance attributes hf_memo set, with what was there before, so ``undo`` restores it exactly."""
+    """Instance attributes hf_memo set, with what was there before, so ``undo`` restores it exactly.
+
+    An installed forward that something else replaced after hf_memo (e.g. TRL wrapping ``model.forward``)
+    is left in its place on ``undo``, switched off: the wrapper keeps working and calls the original.
+    """
 
     def __init__(self) -> None:
-        self._changes: list[tuple[Any, str, Any]] = []
+        self._changes: list[tuple[Any, str, Any, Any]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
-        self._changes.append((obj, name, obj.__dict__.get(name, _Missing)))
+        self._changes.append((obj, name, obj.__dict__.get(name, _Missing), value))
         setattr(obj, name, value)
 
     def install_forward(self, module: Any, impl: Callable) -> None:
@@ -47,7 +57,11 @@ class PatchRecord:
         self.set(module, "forward", InstalledForward(module, module.forward, impl))
 
     def undo(self) -> None:
-        for obj, name, previous in reversed(self._changes):
+        for obj, name, previous, value in reversed(self._changes):
+            if isinstance(value, InstalledForward):
+                value.active = False
+                if obj.__dict__.get(name, _Missing) is not value:
+                    continue  # replaced since by a wrapper of someone else's, which now reaches the original
             if previous is _Missing:
                 delattr(obj, name)
             else:
