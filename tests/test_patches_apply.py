@@ -7,6 +7,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForSequenceClas
 
 import hf_memo
 from hf_memo.config import MemoConfig
+from hf_memo.patches.installed import InstalledForward
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from tests.conftest import assert_same_grads, build_model, make_batch, model_pair
 
 
@@ -91,6 +93,30 @@ def test_deepcopy_of_a_patched_model_is_independent():
     clone(input_ids=ids, labels=labels).loss.backward()
     assert all(p.grad is None for p in model.parameters())
     assert all(p.grad is not None for p in clone.parameters())
+
+
+def test_deepcopy_of_a_memo_model_gets_its_own_runtime_and_forwards_bound_to_the_copy():
+    """A reference model copied from a patched one (as TRL's reference models are): the copy's installed forwards
+    are bound to the copy, its memo runtime and its final-norm flag, none of them the original's."""
+    model, reference = model_pair("llama", num_hidden_layers=4)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=3, offload_fraction=0.5, planner="greedy")
+    hf_memo.memo_runtime(model).assume_policy(MemoryPolicy((LayerPolicy(False, True, 0.5),) * 2 + (LayerPolicy(),) * 2))
+    ids, labels = make_batch(2, 16)
+    _train_step(model, ids, labels)
+    clone = copy.deepcopy(model)
+    runtime, copied = hf_memo.memo_runtime(model), hf_memo.memo_runtime(clone)
+    assert copied is not runtime and copied.assumed_policy == runtime.assumed_policy and copied.plan is None
+    bound = [m.forward.impl.args for m in clone.modules() if isinstance(m.__dict__.get("forward"), InstalledForward)]
+    originals = {id(model), id(runtime)} | {id(m) for m in model.modules()}
+    assert bound and not any(id(arg) in originals for args in bound for arg in args)
+    calls = runtime.attention_calls
+    loss, grads = _train_step(clone, ids, labels)
+    ref_loss, ref_grads = _train_step(reference, ids, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-8, atol=1e-11, msg=name)
+    assert runtime.attention_calls == calls and copied.attention_calls == 4 + 2  # X-only layers: twice
+    assert copied.memory_plan is not None and copied.memory_plan is not runtime.memory_plan
 
 
 @pytest.mark.parametrize("apply_before_peft", [False, True])

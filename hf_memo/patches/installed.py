@@ -16,8 +16,9 @@ class InstalledForward:
 
     ``inner`` is the forward it replaced. ``inspect.signature`` sees ``inner``'s signature (the
     Trainer reads it to find loss kwargs and dataset columns), and ``copy.deepcopy`` of the model
-    rebinds the copy to the copied module instead of the original. Once ``active`` is false (reverted
-    while another library's forward wraps it) it calls ``inner`` unchanged.
+    rebinds the copy to the copied module and to copies of what ``impl`` is bound to (the model, its
+    memo runtime, the final-norm flag), shared within the copy as they are within the original. Once
+    ``active`` is false (reverted while another library's forward wraps it) it calls ``inner`` unchanged.
     """
 
     def __init__(self, module: Any, inner: Callable, impl: Callable) -> None:
@@ -33,7 +34,9 @@ class InstalledForward:
         return self.impl(self.module, self.inner, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> InstalledForward:
-        copied = InstalledForward(copy.deepcopy(self.module, memo), copy.deepcopy(self.inner, memo), self.impl)
+        copied = InstalledForward(
+            copy.deepcopy(self.module, memo), copy.deepcopy(self.inner, memo), copy.deepcopy(self.impl, memo)
+        )
         copied.active = self.active
         return copied
 

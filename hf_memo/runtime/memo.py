@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 import weakref
@@ -138,6 +139,13 @@ class MemoRuntime:
         self._transports: dict[torch.device, _Transport] = {}
         # Weak: the graph holds a layer's stash until its backward; an aborted step must not outlive its graph.
         self._latest: dict[int, weakref.ref[LayerStash]] = {}
+
+    def __deepcopy__(self, memo: dict) -> MemoRuntime:
+        """A runtime for a copy of the model: same config, planner (bound to the copy) and assumed policy; what
+        was measured, decided and allocated for the original is not carried over (the copy decides its own)."""
+        copied = MemoRuntime(self.config, self.num_layers, copy.deepcopy(self._planner, memo))
+        copied.host_limit, copied._policy, copied._fixed = self.host_limit, self._policy, self._fixed
+        return copied
 
     # -- memory policy --------------------------------------------------------------------------------
     def alpha_chunks(
