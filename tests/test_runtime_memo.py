@@ -18,6 +18,7 @@ from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
 from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.runtime.offload import PlainMemory
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.test_patches_packing import packed_row, padded_batch
 
@@ -216,6 +217,30 @@ def test_host_buffers_of_an_old_shape_are_freed_on_a_new_one():
     fresh = _memo_model(layers=5)
     fresh(input_ids=make_batch(2, 16)[0], labels=make_batch(2, 16)[1]).loss.backward()
     assert 0 < runtime.host_reserved_bytes == hf_memo.memo_runtime(fresh).host_reserved_bytes < long
+
+
+def test_steps_of_nearby_lengths_reuse_the_host_buffers_and_stay_exact(monkeypatch):
+    """Variable-length batches (as padding-free training has): a step a little shorter than the longest so far
+    allocates no host buffer; one longer allocates, and the next step frees what it outgrew."""
+    model = _memo_model(layers=5)
+    reference = copy.deepcopy(model)
+    hf_memo.revert(reference)
+    runtime = hf_memo.memo_runtime(model)
+    allocated = []
+    original = PlainMemory.allocate
+    monkeypatch.setattr(PlainMemory, "allocate", lambda memory, n: allocated.append(n) or original(memory, n))
+    reserved, allocations = [], []
+    for seq in (40, 44, 40, 42, 44):
+        ids, labels = make_batch(2, seq, seed=seq)
+        for m in (model, reference):
+            m.zero_grad()
+            m(input_ids=ids, labels=labels).loss.backward()
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+        reserved.append(runtime.host_reserved_bytes)
+        allocations.append(len(allocated))
+    assert allocations[0] > 0 and allocations[1] > allocations[0]  # the first and the longer step allocate
+    assert allocations[1] == allocations[2] == allocations[3] == allocations[4]  # the others reuse
+    assert reserved[1] > reserved[0] and reserved[1] == reserved[2] == reserved[3] == reserved[4]
 
 
 def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_on_cpu():

@@ -79,24 +79,29 @@ def test_pinned_bytes_are_the_requested_bytes_rounded_to_pages_not_to_powers_of_
     assert torch.equal(buffers[0][:300], torch.arange(300).to(torch.uint8))
 
 
-def test_a_new_shape_frees_the_buffers_of_the_old_one():
+def test_a_step_frees_the_buffers_it_did_not_use_and_reuses_those_of_nearby_sizes():
     pool, cudart = _pinning_pool()
-    old = [pool.acquire(2 * 2**20) for _ in range(3)]
-    pool.release(old[0])
-    pool.release(old[1])
-    kept = old[2]
-    del old
-    pool.trim()  # a new step shape: the free buffers go at once
+    MiB = 2**20
+    old = [pool.acquire(2 * MiB) for _ in range(3)]  # a step of one length
+    for buffer in old:
+        pool.release(buffer)
+    pool.end_step()
+    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 6 * MiB  # all used in the step: kept
+    nearby = [pool.acquire(int(1.7 * MiB)) for _ in range(2)]  # a slightly shorter step reuses them, pins nothing
+    assert [b.numel() for b in nearby] == [2 * MiB] * 2 and pool.reserved_bytes == 6 * MiB
+    kept = pool.acquire(2 * MiB)
+    for buffer in nearby:
+        pool.release(buffer)
+    pool.end_step()  # ``kept`` is still in use: only released buffers can go
+    assert pool.reserved_bytes == 6 * MiB
+    short = pool.acquire(MiB)  # much shorter: a buffer of its own, not one twice its size
+    assert short.numel() == MiB and pool.reserved_bytes == 7 * MiB
+    pool.release(short)
+    pool.release(kept)
+    del old, nearby, kept, short, buffer
+    pool.end_step()  # only ``short`` was acquired in this step: the others go
     gc.collect()
-    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 2 * 2**20
-    new = pool.acquire(2**20)
-    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 3 * 2**20
-    pool.release(kept)  # in use during the trim: freed when it comes back, not reused
-    del kept
-    gc.collect()
-    assert pool.reserved_bytes == sum(cudart.pinned.values()) == 2**20
-    pool.release(new)
-    assert pool.acquire(2**20 - 10) is new  # the new shape's buffers are reused as before
+    assert pool.reserved_bytes == sum(cudart.pinned.values()) == MiB
 
 
 def test_a_failed_registration_names_the_host_memory_limit():

@@ -134,7 +134,6 @@ class MemoRuntime:
         self._decisions: dict[tuple, OffloadDecision] = {}
         self._fixed: OffloadDecision | None = None
         self._policy: MemoryPolicy | None = None
-        self._shape: dict[torch.device, tuple] = {}  # the step shape each device ran last
         self._bandwidth: dict[torch.device, float] = {}
         self._transports: dict[torch.device, _Transport] = {}
         # Weak: the graph holds a layer's stash until its backward; an aborted step must not outlive its graph.
@@ -155,13 +154,9 @@ class MemoRuntime:
         ``x`` ``(B, S, H)`` whose attention runs through ``core``.
 
         The first step of a new shape decides the memory policy (measuring on ``x``) and then, with a
-        planner, plans memory for it. A step of another shape than the device's previous one frees the
-        host buffers the previous shape no longer needs.
+        planner, plans memory for it.
         """
         key = _shape_key(x)
-        if self._shape.get(x.device) != key:
-            self._shape[x.device] = key
-            self._transport(x.device).pool.trim()
         if key not in self._decisions:
             decision = self._decisions[key] = self._fixed or self._solve(split, x, bounds, core)
             policy = decision.policy
@@ -405,9 +400,12 @@ class MemoRuntime:
 
     def backward_done(self, index: int, device: torch.device) -> None:
         """After the lowest layer the executor ran (layer 0, or the next one up when layers below ran outside it,
-        e.g. under a checkpoint function of their own), the prefetch buffers are free."""
+        e.g. under a checkpoint function of their own) the step's backward is over: the prefetch buffers are
+        free, and so are the host buffers the step did not use."""
         if not any(ref() is not None for below, ref in self._latest.items() if below < index):
-            self._transport(device).prefetch.release_all()
+            transport = self._transport(device)
+            transport.prefetch.release_all()
+            transport.pool.end_step()
 
     def attention_ran(self) -> None:
         self.attention_calls += 1

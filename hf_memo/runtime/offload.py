@@ -71,13 +71,17 @@ class RegisteredMemory:
         self.cudart.cudaHostUnregister(address)
 
 
-class HostPool:
-    """Host byte buffers reused across steps: acquiring after a release of a large enough buffer allocates nothing.
+REUSE_SLACK = 1.25  # a free buffer serves requests down to 1 / REUSE_SLACK of its size (or one page less)
 
-    Buffers are pinned (:class:`RegisteredMemory`) when the device is CUDA. ``reserved_bytes`` counts
-    the bytes the buffers really hold (pinned bytes on CUDA); it grows when more bytes are in flight at
-    once than ever before, and shrinks at :meth:`trim` (a new step shape), which frees the buffers not
-    in use and those in use once they come back.
+
+class HostPool:
+    """Host byte buffers reused across steps: acquiring after a release of a buffer that fits allocates nothing.
+
+    Buffers are pinned (:class:`RegisteredMemory`) when the device is CUDA. A free buffer serves a request
+    at most ``REUSE_SLACK`` times smaller than itself (steps of nearby lengths, as variable-length batches
+    have, reuse their buffers instead of pinning new ones; a much shorter step does not sit on a long
+    one's). :meth:`end_step` frees the free buffers no request used during the step. ``reserved_bytes``
+    counts the bytes the buffers really hold (pinned bytes on CUDA).
 
     Args:
         memory: where buffers come from; by default pinned memory for CUDA, plain memory otherwise.
@@ -88,42 +92,41 @@ class HostPool:
             memory = RegisteredMemory(device=device) if device.type == "cuda" else PlainMemory()
         self.memory = memory
         self._free: list[torch.Tensor] = []
-        self._held: dict[int, tuple[int, int]] = {}  # id(buffer) -> (bytes held, generation)
-        self._generation = 0
+        self._held: dict[int, int] = {}  # id(buffer) -> bytes held
+        self._used: set[int] = set()  # ids of the buffers acquired since the last end_step
         self.reserved_bytes = 0
         self.in_use_bytes = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        """A ``(>= nbytes,)`` uint8 host buffer; the smallest free one that fits, else a new one."""
-        fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        """A ``(>= nbytes,)`` uint8 host buffer: the smallest free one that fits without wasting more than
+        ``REUSE_SLACK``, else a new one."""
+        largest = max(REUSE_SLACK * nbytes, nbytes + PAGE)
+        fitting = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= largest]
         if fitting:
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         else:
             buffer, held = self.memory.allocate(nbytes)
             mark_host(buffer)
-            self._held[id(buffer)] = (held, self._generation)
+            self._held[id(buffer)] = held
             self.reserved_bytes += held
+        self._used.add(id(buffer))
         self.in_use_bytes += buffer.numel()
         return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        """Give a buffer from :meth:`acquire` back for reuse (or free it, if it predates the last :meth:`trim`)."""
+        """Give a buffer from :meth:`acquire` back for reuse."""
         self.in_use_bytes -= buffer.numel()
-        if self._held[id(buffer)][1] == self._generation:
-            self._free.append(buffer)
-        else:
-            self._forget(buffer)
+        self._free.append(buffer)
 
-    def trim(self) -> None:
-        """Free every buffer not in use now; buffers in use are freed when they are released."""
-        self._generation += 1
+    def end_step(self) -> None:
+        """A training step ended: free the free buffers that no request used during it."""
+        kept = []
         for buffer in self._free:
-            self._forget(buffer)
-        self._free = []
-
-    def _forget(self, buffer: torch.Tensor) -> None:
-        held, _ = self._held.pop(id(buffer))
-        self.reserved_bytes -= held
+            if id(buffer) in self._used:
+                kept.append(buffer)
+            else:
+                self.reserved_bytes -= self._held.pop(id(buffer))
+        self._free, self._used = kept, set()
 
 
 class CopyEngine:
