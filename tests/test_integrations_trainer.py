@@ -331,10 +331,11 @@ def test_a_device_budget_trains_the_solved_policy_as_plain_training(tmp_path):
     """A device budget of five layer inputs: the policy solver keeps every layer's input only (no room for an
     attention output beside two device layers and two copy buffers); the run equals plain training."""
     layer_input = BATCH * SEQ * 32 * 8  # float64 hidden states of one layer
-    config = MEMO.replace(
-        offload_fraction="auto", layer_time=1e-3, host_bandwidth=1e9, device_memory_limit=5 * layer_input
-    )
-    memo = make_trainer(tmp_path / "memo", callbacks=[MemoCallback(config, progress=False)], steps=3)
+    model = build_model("llama", num_hidden_layers=4)
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())  # kept out of the budget
+    limit = 5 * layer_input + gradients
+    config = MEMO.replace(offload_fraction="auto", layer_time=1e-3, host_bandwidth=1e9, device_memory_limit=limit)
+    memo = make_trainer(tmp_path / "memo", model, callbacks=[MemoCallback(config, progress=False)], steps=3)
     memo.train()
     plain = make_trainer(tmp_path / "plain", steps=3)
     plain.train()

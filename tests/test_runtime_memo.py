@@ -14,6 +14,7 @@ from hf_memo.patches.llama import FAMILY
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import PolicyDoesNotFit
+from hf_memo.runtime import memo as memo_module
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
@@ -266,13 +267,19 @@ def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_
     assert not any(layer.keep_attention for layer in plan.layers if not layer.on_host)  # the device keeps X only
 
 
+def _gradient_bytes(model):
+    """Bytes of the gradients a step allocates: the device budget leaves them out."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def _tight_memo_model(device_layers_x_only, **config):
-    """A 6-layer llama under memo whose device budget holds ``device_layers_x_only`` layer inputs of a 2 x 19 step
-    (host bandwidth and layer time given, so nothing is timed against the machine's load)."""
+    """A 6-layer llama under memo whose device budget holds, beside the gradients, ``device_layers_x_only`` layer
+    inputs of a 2 x 19 step (host bandwidth and layer time given, so nothing is timed against the machine's load)."""
     input_bytes = 2 * 19 * 32 * 8  # B * S * hidden * float64
     model = build_model("llama", num_hidden_layers=6)
     reference = copy.deepcopy(model)
-    limits = dict(device_memory_limit=device_layers_x_only * input_bytes, host_bandwidth=1e9, layer_time=1e-3)
+    limit = device_layers_x_only * input_bytes + _gradient_bytes(model)
+    limits = dict(device_memory_limit=limit, host_bandwidth=1e9, layer_time=1e-3)
     hf_memo.apply(model, recompute="memo", mlp_chunks=4, lm_head_chunks=3, **{**limits, **config})
     return model, reference, input_bytes
 
@@ -337,7 +344,9 @@ def _sequence_parallel_solve(rank, world):
     rank would keep its layers on the device and the fast one send them to the host."""
     bandwidth = 1e15 if rank == 0 else 1e3
     model = build_model("llama", num_hidden_layers=4)
-    limits = dict(device_memory_limit=6 * 2 * 8 * 32 * 8, host_bandwidth=bandwidth, layer_time=1e-3)
+    limits = dict(
+        device_memory_limit=6 * 2 * 8 * 32 * 8 + _gradient_bytes(model), host_bandwidth=bandwidth, layer_time=1e-3
+    )
     hf_memo.apply(model, recompute="memo", mlp_chunks=2, sequence_parallel_size=2, **limits)
     ids, labels = make_batch(2, 16)
     loss = model(input_ids=ids, labels=labels).loss
@@ -362,3 +371,30 @@ def test_sequence_parallel_ranks_agree_on_one_policy_and_match_one_process():
         torch.testing.assert_close(result["loss"], want.detach(), rtol=1e-6, atol=0)
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], param.grad, rtol=1e-8, atol=1e-11, msg=name)
+
+
+def test_gradients_to_come_are_kept_out_of_the_budget_and_the_optimizer_state_is_counted_after_its_first_step(
+    monkeypatch,
+):
+    """Budget for twelve layer inputs beside the gradients: the first step keeps more than X. After the first
+    optimizer step its state takes device memory (stood in for by eight layer inputs in use): the shape is decided
+    again, once, with every layer keeping X only; every step stays exact."""
+    model, reference, input_bytes = _tight_memo_model(12)
+    runtime = hf_memo.memo_runtime(model)
+    in_use = {"bytes": 0}
+    monkeypatch.setattr(memo_module, "_device_in_use", lambda device: in_use["bytes"])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, reference)]
+    policies = []
+    for step in range(3):
+        ids, labels = make_batch(2, 19, seed=step)
+        for m in (model, reference):
+            m(input_ids=ids, labels=labels).loss.backward()
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+        policies.append(runtime.plan)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        in_use["bytes"] = 8 * input_bytes  # the momentum buffers, from the first optimizer step on
+    assert any(layer.keep_attention or layer.alpha > 0 for layer in policies[0].layers)
+    assert policies[1] is not policies[0] and policies[2] is policies[1]  # decided again once, then kept
+    assert policies[1].layers == (LayerPolicy(False, True, 0.0),) * 4 + (LayerPolicy(False, False, 0.0),) * 2

@@ -66,7 +66,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     runtime = None
     if config.recompute == "memo":
         planner = partial(plan_training_step, model, progress=False) if config.planner != "off" else None
-        runtime = MemoRuntime(config, len(layers), planner)
+        runtime = MemoRuntime(config, len(layers), planner, model.parameters)
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
         width = family.intermediate_size(model.config.get_text_config())
         for module in model.modules():

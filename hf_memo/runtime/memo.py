@@ -6,12 +6,13 @@ import copy
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 
 import psutil
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
@@ -31,6 +32,25 @@ from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
 logger = logging.getLogger(__name__)
+
+
+class _OptimizerSteps:
+    """Optimizer steps taken in this process by any ``torch.optim`` optimizer (a global post-step hook,
+    registered when the first runtime is made)."""
+
+    count = 0
+    _registered = False
+
+    @classmethod
+    def track(cls) -> None:
+        if not cls._registered:
+            register_optimizer_step_post_hook(cls._stepped)
+            cls._registered = True
+
+    @classmethod
+    def _stepped(cls, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        cls.count += 1
+
 
 AUTO_HOST_FRACTION = 0.5  # of the RAM available when the runtime is created
 # A layer's backward holds a gradient beside each tensor its forward pattern holds (x and grad x, q/k/v and
@@ -120,13 +140,28 @@ class MemoRuntime:
             shape run with that :class:`OffloadDecision`; called on the first step of a shape, after the
             offload is solved, unless the attached plan was made for that shape and offload
             (``config.planner`` on).
+        parameters: the model's parameters (e.g. ``model.parameters``): the gradients they do not hold yet,
+            which the backward will allocate, are kept out of the device budget.
+
+    With a device limit, a shape decided before any optimizer step is decided again at its first step after
+    one: the optimizer's state (e.g. AdamW's two moments) only takes device memory from its first step on.
     """
 
-    def __init__(self, config: MemoConfig, num_layers: int, planner: Callable[..., MemoryPlan] | None = None) -> None:
+    def __init__(
+        self,
+        config: MemoConfig,
+        num_layers: int,
+        planner: Callable[..., MemoryPlan] | None = None,
+        parameters: Callable[[], Iterable[torch.nn.Parameter]] | None = None,
+    ) -> None:
         self.config = config
         self.num_layers = num_layers
         self.memory_plan: MemoryPlan | None = None
         self._planner = planner
+        self._parameters = parameters
+        _OptimizerSteps.track()
+        self._steps_at_start = _OptimizerSteps.count
+        self._before_optimizer: set[tuple] = set()  # shapes decided before any optimizer step, with a device limit
         limit = config.host_memory_limit_bytes
         self.host_limit = limit if limit is not None else int(AUTO_HOST_FRACTION * psutil.virtual_memory().available)
         self.attention_calls = 0
@@ -142,7 +177,8 @@ class MemoRuntime:
     def __deepcopy__(self, memo: dict) -> MemoRuntime:
         """A runtime for a copy of the model: same config, planner (bound to the copy) and assumed policy; what
         was measured, decided and allocated for the original is not carried over (the copy decides its own)."""
-        copied = MemoRuntime(self.config, self.num_layers, copy.deepcopy(self._planner, memo))
+        planner, parameters = copy.deepcopy(self._planner, memo), copy.deepcopy(self._parameters, memo)
+        copied = MemoRuntime(self.config, self.num_layers, planner, parameters)
         copied.host_limit, copied._policy, copied._fixed = self.host_limit, self._policy, self._fixed
         return copied
 
@@ -157,8 +193,14 @@ class MemoRuntime:
         planner, plans memory for it.
         """
         key = _shape_key(x)
+        if key in self._before_optimizer and _OptimizerSteps.count > self._steps_at_start:
+            self._before_optimizer.discard(key)  # decided again: the optimizer's state now takes device memory
+            del self._decisions[key]
         if key not in self._decisions:
             decision = self._decisions[key] = self._fixed or self._solve(split, x, bounds, core)
+            solved = self._fixed is None and self._policy is None and self._device_limit(x.device) is not None
+            if solved and _OptimizerSteps.count == self._steps_at_start:
+                self._before_optimizer.add(key)
             policy = decision.policy
             predicted = "" if policy.predicted_step_seconds is None else f", {policy.predicted_step_seconds:.3g} s"
             logger.info(
@@ -304,7 +346,8 @@ class MemoRuntime:
         device_budget = None
         if device_limit is not None:
             workspace = 0 if timing is None else timing.workspace_bytes
-            device_budget = device_limit - _device_in_use(x.device) - BACKWARD_WORKSPACE_FACTOR * workspace
+            in_use = _device_in_use(x.device) + self._gradients_to_come(x.device)
+            device_budget = device_limit - in_use - BACKWARD_WORKSPACE_FACTOR * workspace
         measured = StepMeasurements(
             num_layers=self.num_layers,
             tokens=x.shape[0] * x.shape[1],
@@ -322,6 +365,18 @@ class MemoRuntime:
         if group is not None and requested is None and device_budget is not None:
             measured = _agreed(measured, group, x.device)
         return measured
+
+    def _gradients_to_come(self, device: torch.device) -> int:
+        """Bytes of the gradients the backward will allocate on ``device``: trainable parameters there without
+        one now (this rank's shard of a sharded parameter)."""
+        if self._parameters is None:
+            return 0
+        total = 0
+        for param in self._parameters():
+            local = getattr(param, "_local_tensor", param)  # a DTensor's shard (FSDP2)
+            if param.requires_grad and param.grad is None and local.device == device:
+                total += local.numel() * local.element_size()
+        return total
 
     def _device_limit(self, device: torch.device) -> int | None:
         """Device bytes a step may use: the configured limit, or on CUDA for ``"auto"`` what is free plus what
