@@ -34,10 +34,10 @@ class RecordingSource:
     def sealed(self, index, stash):
         pass
 
-    def backward_started(self, index, device):
+    def backward_started(self, stash, device):
         pass
 
-    def backward_done(self, index, device):
+    def backward_done(self, stash, device):
         pass
 
     def attention_ran(self):

@@ -61,6 +61,43 @@ def test_layers_alternate_rounding_buffers():
     assert pool.reserved_bytes == ALIGN
 
 
+def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it():
+    """Two graphs' stashes of the same layer take turns in one prefetch slot: the holder that lost the slot
+    must not read the other's bytes."""
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    rounding, prefetch = DeviceSlots("rounding", device, engine), DeviceSlots("prefetch", device, engine)
+    pool = HostPool(device)
+    first, second = (LayerStash(2, True, engine, pool, rounding, prefetch) for _ in range(2))
+    values = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
+    refs = [stash.add(v) for stash, v in zip((first, second), values)]
+    for stash in (first, second):
+        stash.seal()
+    first.prefetch()
+    assert torch.equal(first.rebuild(refs[0]), values[0])
+    second.prefetch()  # same layer index, same slot: ``first`` is evicted
+    assert torch.equal(second.rebuild(refs[1]), values[1])
+    assert torch.equal(first.rebuild(refs[0]), values[0])  # fetched again, into the slot ``second`` lost
+    assert torch.equal(second.rebuild(refs[1]), values[1])
+    prefetch.release_all()  # the buffers go back: their holder fetches again when it is next rebuilt
+    assert prefetch.reserved_bytes == 0 and torch.equal(second.rebuild(refs[1]), values[1])
+
+
+def test_a_kept_stash_serves_another_backward_and_a_freed_one_says_so():
+    stash, pool = _stash()
+    value = torch.randn(40)
+    ref = stash.add(value)
+    stash.seal()
+    for _ in range(2):  # retain_graph=True: the host copy stays, the device slot goes back
+        assert torch.equal(stash.rebuild(ref), value)
+        stash.release(keep=True)
+        assert pool.in_use_bytes == stash.nbytes
+    stash.release()
+    assert pool.in_use_bytes == 0
+    with pytest.raises(RuntimeError, match="layer 0's memo stash was freed by a backward through this graph"):
+        stash.rebuild(ref)
+
+
 def test_a_stash_dropped_without_backward_gives_its_host_buffer_back():
     import gc
 

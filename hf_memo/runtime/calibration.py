@@ -41,10 +41,10 @@ class _ProbeRuntime:
     def sealed(self, index: int, stash: LayerStash) -> None:
         pass
 
-    def backward_started(self, index: int, device: torch.device) -> None:
+    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
         pass
 
-    def backward_done(self, index: int, device: torch.device) -> None:
+    def backward_done(self, stash: LayerStash, device: torch.device) -> None:
         pass
 
     def attention_ran(self) -> None:

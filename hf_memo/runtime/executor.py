@@ -95,12 +95,14 @@ class StashSource(Protocol):
 
     def sealed(self, index: int, stash: LayerStash) -> None: ...
 
-    def backward_started(self, index: int, device: torch.device) -> None:
-        """Layer ``index``'s backward begins: prefetch the layer below; the top layer frees the rounding buffers."""
+    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
+        """The backward of ``stash``'s layer begins: prefetch the stash below it (same forward); the top layer
+        frees the rounding buffers."""
         ...
 
-    def backward_done(self, index: int, device: torch.device) -> None:
-        """Layer ``index``'s backward ended; after layer 0 the prefetch buffers are free."""
+    def backward_done(self, stash: LayerStash, device: torch.device) -> None:
+        """The backward of ``stash``'s layer ended; after the lowest layer of its forward the prefetch buffers
+        are free."""
         ...
 
     def attention_ran(self) -> None: ...
@@ -252,7 +254,9 @@ class MemoLayerFunction(torch.autograd.Function):
         stash: LayerStash = ctx.stash
         split: LayerSplit = ctx.split
         params = ctx.saved_tensors
-        ctx.runtime.backward_started(ctx.index, grad_y.device)
+        # retain_graph=True: everything the layer keeps stays for the next backward through this graph
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()
+        ctx.runtime.backward_started(stash, grad_y.device)
         wanted = list(ctx.needs_input_grad[7:])
         wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
@@ -273,7 +277,9 @@ class MemoLayerFunction(torch.autograd.Function):
 
         for (start, stop), (x_edge, o_edge, y_edge) in zip(offloaded, ctx.post_graphs):
             grads = torch.autograd.grad(
-                [y_edge], [x_edge, o_edge, *wanted_params], [_rows(grad_y, start, stop)], allow_unused=True
+                [y_edge], [x_edge, o_edge, *wanted_params], [_rows(grad_y, start, stop)],
+                retain_graph=keep,
+                allow_unused=True,
             )
             grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
         for (start, stop), replay in zip(recomputed, ctx.post_replays):
@@ -294,7 +300,11 @@ class MemoLayerFunction(torch.autograd.Function):
 
         for (start, stop), (x_edge, edges) in zip(offloaded, ctx.pre_graphs):
             grads = torch.autograd.grad(
-                edges, [x_edge, *wanted_params], [t[:, :, start:stop] for t in (dq, dk, dv)], allow_unused=True
+                edges,
+                [x_edge, *wanted_params],
+                [t[:, :, start:stop] for t in (dq, dk, dv)],
+                retain_graph=keep,
+                allow_unused=True,
             )
             (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
             grad_x[:, start:stop] += grad_pre
@@ -307,7 +317,10 @@ class MemoLayerFunction(torch.autograd.Function):
             )
             (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
             grad_x[:, start:stop] += grad_pre
-        stash.release()
-        ctx.runtime.backward_done(ctx.index, grad_y.device)
-        ctx.post_graphs = ctx.pre_graphs = ctx.stash = ctx.recomputed_out = None
+        stash.release(keep)
+        ctx.runtime.backward_done(stash, grad_y.device)
+        if ctx.recomputed_out is not None:
+            ctx.recomputed_out.value = None
+        if not keep:
+            ctx.post_graphs = ctx.pre_graphs = ctx.stash = ctx.recomputed_out = None
         return (None, None, None, None, None, None, grad_x, *sums.result())

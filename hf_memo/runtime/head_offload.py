@@ -30,8 +30,10 @@ class _ReleaseAfterBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.stash.release()
-        ctx.stash = None
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()  # retain_graph=True: a backward follows
+        ctx.stash.release(keep)
+        if not keep:
+            ctx.stash = None
         return grad, None
 
 

@@ -171,8 +171,10 @@ class MemoRuntime:
         self._policy: MemoryPolicy | None = None
         self._bandwidth: dict[torch.device, float] = {}
         self._transports: dict[torch.device, _Transport] = {}
-        # Weak: the graph holds a layer's stash until its backward; an aborted step must not outlive its graph.
-        self._latest: dict[int, weakref.ref[LayerStash]] = {}
+        # The stashes of the forward running now, by layer index (weak: the graph holds a layer's stash until its
+        # backward; an aborted step must not outlive its graph), and the index of the layer that opened one last.
+        self._forward: dict[int, weakref.ref[LayerStash]] = {}
+        self._last_opened = -1
 
     def __deepcopy__(self, memo: dict) -> MemoRuntime:
         """A runtime for a copy of the model: same config, planner (bound to the copy) and assumed policy; what
@@ -415,6 +417,10 @@ class MemoRuntime:
         return self._transports[device]
 
     def open_stash(self, index: int, device: torch.device) -> LayerStash:
+        """A stash for layer ``index``; a layer at or below the last one that opened a stash starts a new forward."""
+        if index <= self._last_opened:
+            self._forward = {}
+        self._last_opened = index
         transport = self._transport(device)
         layer = LayerPolicy(on_host=False) if self.plan is None else self.plan.layers[index]
         return LayerStash(
@@ -444,23 +450,27 @@ class MemoRuntime:
         )
 
     def sealed(self, index: int, stash: LayerStash) -> None:
-        self._latest[index] = weakref.ref(stash)
+        """Layer ``index``'s forward ended: link its stash to the one below it in the same forward."""
+        stash.below = self._forward.get(index - 1)
+        self._forward[index] = weakref.ref(stash)
 
-    def backward_started(self, index: int, device: torch.device) -> None:
-        if index == self.num_layers - 1:
+    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
+        if stash.index == self.num_layers - 1:
             self._transport(device).rounding.release_all()
-        below = self._latest.get(index - 1)
-        if below is not None and below() is not None:
-            below().prefetch()
+        below = stash.lower
+        if below is not None:
+            below.prefetch()
 
-    def backward_done(self, index: int, device: torch.device) -> None:
-        """After the lowest layer the executor ran (layer 0, or the next one up when layers below ran outside it,
-        e.g. under a checkpoint function of their own) the step's backward is over: the prefetch buffers are
-        free, and so are the host buffers the step did not use."""
-        if not any(ref() is not None for below, ref in self._latest.items() if below < index):
+    def backward_done(self, stash: LayerStash, device: torch.device) -> None:
+        """After the lowest layer the executor ran in ``stash``'s forward (layer 0, or the next one up when layers
+        below ran outside it, e.g. under a checkpoint function of their own) that graph's backward is over: the
+        prefetch buffers are free. Once no graph holds a host buffer any more (other graphs alive, or this one
+        retained, hold theirs) the step is over: the host buffers no request of it used are freed."""
+        if stash.lower is None:
             transport = self._transport(device)
             transport.prefetch.release_all()
-            transport.pool.end_step()
+            if transport.pool.in_use_bytes == 0:
+                transport.pool.end_step()
 
     def attention_ran(self) -> None:
         self.attention_calls += 1

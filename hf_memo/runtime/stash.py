@@ -46,15 +46,23 @@ class DeviceSlots:
     The buffers come from the memory plan's arena when there is one, else from PyTorch's allocator,
     and are given back by :meth:`release_all` once the step no longer needs them (rounding buffers
     when backward starts, prefetch buffers when it ends), so a plan can place both in the same bytes.
+
+    A slot has at most one holder, the stash whose bytes it holds: handing the slot to another stash, or
+    giving the buffers back, evicts the holder (:meth:`LayerStash.evict`), which fetches again when it
+    needs its bytes. With several graphs alive, stashes of different graphs take turns in the same slots.
     """
 
     def __init__(self, name: str, device: torch.device, engine: CopyEngine, arena: Arena | None = None) -> None:
         self.name, self.device, self.engine, self.arena = name, device, engine, arena
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._busy: list[torch.cuda.Event | None] = [None, None]
+        self._holders: list[weakref.ref[LayerStash] | None] = [None, None]
 
-    def acquire(self, slot: int, nbytes: int) -> torch.Tensor:
-        """The ``(>= nbytes,)`` uint8 buffer of ``slot``, once its previous use has finished."""
+    def acquire(self, slot: int, nbytes: int, holder: LayerStash | None = None) -> torch.Tensor:
+        """The ``(>= nbytes,)`` uint8 buffer of ``slot``, once its previous use has finished; ``holder`` (if
+        given) holds it from now on, and the previous holder is evicted."""
+        self._evict(slot, keep=holder)
+        self._holders[slot] = None if holder is None else weakref.ref(holder)
         self.engine.wait(self._busy[slot])
         buffer = self._buffers[slot]
         if buffer is None or buffer.numel() < nbytes:
@@ -67,16 +75,29 @@ class DeviceSlots:
             self._buffers[slot] = buffer
         return buffer
 
-    def release(self, slot: int, done: torch.cuda.Event | None) -> None:
-        """Record the event after which ``slot`` may be reused."""
+    def release(self, slot: int, done: torch.cuda.Event | None, holder: LayerStash | None = None) -> None:
+        """Record the event after which ``slot`` may be reused; ``holder`` no longer holds it."""
         self._busy[slot] = done
+        if holder is not None and self._holder(slot) is holder:
+            self._holders[slot] = None
 
     def release_all(self) -> None:
         """Give both buffers back once the work using them is done (the compute stream waits for it)."""
         for slot in (0, 1):
+            self._evict(slot)
             self.engine.wait(self._busy[slot])
             self._busy[slot] = None
             self._drop(slot)
+
+    def _holder(self, slot: int) -> LayerStash | None:
+        ref = self._holders[slot]
+        return None if ref is None else ref()
+
+    def _evict(self, slot: int, keep: LayerStash | None = None) -> None:
+        holder = self._holder(slot)
+        if holder is not None and holder is not keep:
+            holder.evict()
+        self._holders[slot] = None
 
     def _drop(self, slot: int) -> None:
         if self._buffers[slot] is not None and self.arena is not None:
@@ -92,7 +113,9 @@ class LayerStash:
     """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``.
 
     ``keep_attention`` tells the executor what the layer keeps: its attention output and statistics too,
-    or (``False``) its input only, attention being recomputed in backward.
+    or (``False``) its input only, attention being recomputed in backward. ``below`` is the stash of the
+    layer below in the same forward (set by the runtime when this one is sealed; ``None`` for the lowest):
+    backward prefetches it, and only it, so each graph's backward fetches its own bytes.
     """
 
     def __init__(
@@ -106,6 +129,7 @@ class LayerStash:
         keep_attention: bool = True,
     ) -> None:
         self.index, self.swapped, self.keep_attention = index, swapped, keep_attention
+        self.below: weakref.ref[LayerStash] | None = None
         self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
         self._index_of: dict[int, int] = {}  # storage address -> position (the storages below keep it unique)
@@ -116,6 +140,7 @@ class LayerStash:
         self._stored: torch.cuda.Event | None = None  # the device-to-host copy
         self._fetched: torch.cuda.Event | None = None
         self._slot_buffer: torch.Tensor | None = None
+        self._freed = False
 
     def add(self, tensor: torch.Tensor) -> StashRef:
         """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it."""
@@ -137,6 +162,11 @@ class LayerStash:
     def raw_nbytes(self) -> int:
         """Bytes of the distinct storages collected so far (unaligned)."""
         return sum(whole.numel() * whole.element_size() for whole in self._storages)
+
+    @property
+    def lower(self) -> LayerStash | None:
+        """The live stash of the layer below in the same forward, if any."""
+        return None if self.below is None else self.below()
 
     def seal(self) -> None:
         """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA)."""
@@ -161,12 +191,23 @@ class LayerStash:
     def prefetch(self) -> None:
         """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
         if self.swapped and self._slot_buffer is None and self._host is not None:
-            buffer = self._prefetch.acquire(self.index % 2, self.nbytes)
+            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self)
             self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes], self._stored)
             self._slot_buffer = buffer
 
+    def evict(self) -> None:
+        """The prefetch slot holding this stash's bytes went to another stash (or back to the arena): a swapped
+        stash fetches again from the host when it is next rebuilt."""
+        if self.swapped:
+            self._storages, self._slot_buffer, self._fetched = [], None, None
+
     def rebuild(self, ref: StashRef) -> torch.Tensor:
         """The saved tensor ``ref`` describes, as a view of its storage on the device."""
+        if self._freed:
+            raise RuntimeError(
+                f"layer {self.index}'s memo stash was freed by a backward through this graph; to differentiate "
+                "a graph again, pass retain_graph=True to every backward but the last"
+            )
         if not self._storages:  # swapped: wait for the prefetch (or fetch now if none was started)
             self.prefetch()
             self._engine.wait(self._fetched)
@@ -174,12 +215,17 @@ class LayerStash:
         base = self._storages[ref.index]
         return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
 
-    def release(self) -> None:
-        """After the layer's backward: drop the device copy and give the host buffer back to the pool."""
+    def release(self, keep: bool = False) -> None:
+        """After the layer's backward: give the prefetch slot back; unless ``keep`` (the backward retains the
+        graph, ``retain_graph=True``), also drop the device copy and give the host buffer back to the pool.
+        A kept swapped stash is fetched from the host again by the next backward."""
         if self._slot_buffer is not None:
-            self._prefetch.release(self.index % 2, self._engine.mark())
+            self._prefetch.release(self.index % 2, self._engine.mark(), holder=self)
+        if keep:
+            self.evict()
+            return
         self._return_host()
-        self._storages, self._host, self._slot_buffer = [], None, None
+        self._storages, self._host, self._slot_buffer, self._freed = [], None, None, True
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer[offset : offset + nbytes].view(dtype) for offset, nbytes, dtype in self._layout]
