@@ -277,7 +277,9 @@ class MemoLayerFunction(torch.autograd.Function):
 
         for (start, stop), (x_edge, o_edge, y_edge) in zip(offloaded, ctx.post_graphs):
             grads = torch.autograd.grad(
-                [y_edge], [x_edge, o_edge, *wanted_params], [_rows(grad_y, start, stop)],
+                [y_edge],
+                [x_edge, o_edge, *wanted_params],
+                [_rows(grad_y, start, stop)],
                 retain_graph=keep,
                 allow_unused=True,
             )
