@@ -296,3 +296,27 @@ def test_eager_attention_keeps_transformers_masks_for_packed_and_padded_batches(
     reference = build_model("gpt2", attn_implementation="eager")
     model = _apply(copy.deepcopy(reference), "full", None)
     assert_packed_row_equals_samples_alone(model, reference)
+
+
+def test_memo_refuses_padding_with_targets_that_reaches_past_the_sliding_window():
+    """A row of 35 tokens, 8 real then padding whose labels are targets: transformers limits the padding queries to
+    the window of 33, memo attends them to the whole sample, so it refuses; with the padding's labels at -100,
+    or with a window covering the row, memo is exact."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 35), generator=gen)
+    mask = torch.zeros_like(ids)
+    mask[:, :8] = 1
+    for window, padding_labels, exact in ((33, "targets", False), (33, "-100", True), (35, "targets", True)):
+        reference = build_model("mistral", num_hidden_layers=1, sliding_window=window)
+        model = _apply(copy.deepcopy(reference), "memo", 0.5)
+        labels = ids.clone()
+        if padding_labels == "-100":
+            labels[mask == 0] = -100
+        if not exact:
+            with pytest.raises(ValueError, match="sliding window of 33 tokens and padding with targets .* over 35"):
+                model(input_ids=ids, labels=labels, attention_mask=mask)
+            continue
+        got = _step(model, input_ids=ids, labels=labels, attention_mask=mask)
+        want = _step(reference, input_ids=ids, labels=labels, attention_mask=mask)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)

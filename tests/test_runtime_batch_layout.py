@@ -9,7 +9,7 @@ from hf_memo.runtime.batch_layout import BatchLayout, describe_batch, needs_mask
 def test_a_batch_without_mask_or_positions_is_plain():
     layout = describe_batch(2, 7)
     assert layout.plain and layout.spans(2) == [(0, (0, 7)), (1, (0, 7))]
-    assert layout.attended_pairs(2) == 2 * 28 and layout.longest() == 7
+    assert layout.attended_pairs(2) == 2 * 28 and layout.longest() == layout.reach() == 7
 
 
 def test_counting_positions_and_an_all_ones_mask_are_plain():
@@ -21,7 +21,7 @@ def test_restarting_or_jumping_positions_start_samples():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 7, 8, 9, 10]])
     layout = describe_batch(2, 8, position_ids=positions)
     assert layout.rows == (((0, 3), (3, 5), (5, 8)), ((0, 4), (4, 8)))
-    assert layout.packed and layout.longest() == 4 and layout.real_tokens(2) == 16
+    assert layout.packed and layout.longest() == layout.reach() == 4 and layout.real_tokens(2) == 16
     assert layout.attended_pairs(2) == 6 + 3 + 6 + 10 + 10
 
 
@@ -37,6 +37,7 @@ def test_a_right_padding_token_with_a_target_is_marked_a_left_padding_one_is_not
     left = describe_batch(1, 4, mask, shift_labels=torch.tensor([[5, 6, -100, -100]]))  # predicts a real token
     right = describe_batch(1, 4, mask, shift_labels=torch.tensor([[-100, 6, 7, 8]]))
     assert not left.padding_attends and right.padding_attends and right.rows == left.rows
+    assert left.reach() == 2 and right.reach() == 3  # the last padding query attends back to the sample's start
 
 
 def test_masked_tokens_between_real_ones_are_refused():

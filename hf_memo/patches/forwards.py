@@ -237,12 +237,19 @@ def memo_layer_forward(
             "cross-attention inputs"
         )
     window = family.sliding_window(layer)
-    longest = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
-    longest = longest if layout is None else layout.longest()
-    if window is not None and longest > window:
+    reach = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
+    reach = reach if layout is None else layout.reach()
+    if window is not None and reach > window:
+        padding = layout is not None and layout.padding_attends and layout.longest() <= window
         raise ValueError(
-            f"recompute='memo' computes full causal attention, but this layer uses a sliding window of {window} "
-            f"tokens and the sequence has {longest}"
+            f"recompute='memo' computes attention without a window, but this layer uses a sliding window of "
+            f"{window} tokens and "
+            + (
+                f"padding with targets (labels not -100 after the sample) attends over {reach} tokens: set the "
+                "padding's labels to -100, or use recompute='selective'"
+                if padding
+                else f"the sequence has {reach}"
+            )
         )
     split = family.split(layer, arguments.get("position_embeddings"))
     width = family.intermediate_size(layer_config(layer))

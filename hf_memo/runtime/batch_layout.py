@@ -86,6 +86,16 @@ class BatchLayout:
             return self.length
         return max((stop - start for spans in self.rows for start, stop in spans), default=0)
 
+    def reach(self) -> int:
+        """Tokens from the farthest key any query attends to up to that query, inclusive: the longest sample, or,
+        where padding attends (``padding_attends``), from a row's sample start to the row's end (its last
+        padding query attends to the sample's first token)."""
+        if self.rows is None:
+            return self.length
+        if not self.padding_attends:
+            return self.longest()
+        return max((self.length - spans[-1][0] for spans in self.rows if spans), default=0)
+
     def attended_pairs(self, batch: int) -> int:
         """(query, key) pairs causal attention computes: ``Σ s (s + 1) / 2`` over the samples."""
         return sum((stop - start) * (stop - start + 1) // 2 for _, (start, stop) in self.spans(batch))
