@@ -280,9 +280,24 @@ def layer_config(layer: nn.Module) -> Any:
 
 def _keep_matmuls_and_attention(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     # Ops without autograd (e.g. inside the mini-sequence functions' own forward) need nothing saved.
-    if op in SELECTIVE_SAVE_OPS and torch.is_grad_enabled():
+    if op in SELECTIVE_SAVE_OPS and torch.is_grad_enabled() and not _draws_dropout(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _draws_dropout(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``op`` (a fused attention op) is called with a ``dropout_p`` above zero.
+
+    Such an op draws its dropout mask from the device generator and advances it (CUDA's flash, efficient and
+    cuDNN kernels). Saved instead of re-run, the recomputation would not advance the generator, and every
+    later dropout of the layer (GPT-2's residual and MLP dropout) would draw another mask than in forward:
+    it is recomputed, which replays the forward's mask from the restored RNG state.
+    """
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "dropout_p":
+            value = args[position] if position < len(args) else kwargs.get("dropout_p", 0.0)
+            return value > 0
+    return False
 
 
 SELECTIVE_SAVE_OPS = {

@@ -160,8 +160,7 @@ def solve_policy(
         host_budget: host bytes for the kept tensors.
         alpha_steps: alphas are multiples of ``1 / alpha_steps`` (the executor's chunk count, or a
             coarser grid: the executor rounds alpha down to whole chunks, which only lowers memory).
-        allow_x_only: whether layers may keep ``X`` only (not with attention dropout, whose mask a
-            recompute would not reproduce).
+        allow_x_only: whether layers may keep ``X`` only (recompute attention in backward).
 
     Returns:
         the policy, with ``predicted_step_seconds`` (decoder layers only), ``device_bytes``, ``host_bytes``

@@ -15,8 +15,10 @@ stash keeps one copy of the attention output, however many chunks read it.
 What a layer keeps is its :class:`~hf_memo.planner.policy.LayerPolicy` (given through its stash): its
 input and the attention output, softmax statistics and what replays the dropout mask (attention is
 never recomputed), or its input only (``keep_attention=False``: backward rebuilds q, k and v and runs
-the attention core's forward again, under the forward's RNG state, before its backward; the attention-output
-rows its offloaded tokens' o_proj saved are views of that recomputed output, so it keeps no copy of them).
+the attention core's forward again, under the forward's CPU and CUDA RNG state (the CUDA kernels draw their
+dropout mask from the generator's Philox seed and offset, so the mask is drawn again), before its backward; the
+attention-output rows its offloaded tokens' o_proj saved are views of that recomputed output, so it keeps no
+copy of them).
 
 Everything but attention is per token, so the sequence is cut into mini-sequence chunks. The first
 ``alpha_chunks`` chunks ("offloaded tokens") build their autograd graph in forward with every saved
@@ -180,12 +182,6 @@ class MemoLayerFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         stash = runtime.open_stash(index, x.device)
         keep_attention = stash.keep_attention
-        if not keep_attention and split.dropout_p > 0 and x.device.type == "cuda":
-            raise ValueError(
-                f"layer {index}'s policy keeps its input only (keep_attention=False), which recomputes attention "
-                f"in backward, but attention dropout is {split.dropout_p} on CUDA, whose mask cannot be replayed: "
-                "keep_attention=True is needed with attention dropout on CUDA"
-            )
         hooks = stash_hooks(stash, split.kept(), stash_them=False)
         anchor = torch.zeros((), device=x.device, requires_grad=True)
         offloaded, recomputed = bounds[:alpha_chunks], bounds[alpha_chunks:]

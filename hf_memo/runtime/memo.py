@@ -99,8 +99,6 @@ class StepMeasurements:
             allocated now (weights, gradients, optimizer state) minus the backward's workspace (``None``: no
             limit, CPU with ``device_memory_limit="auto"``).
         requested_alpha: ``MemoConfig.offload_fraction`` when not ``"auto"``.
-        x_only_allowed: whether a layer may keep ``X`` only (recompute its attention): not with attention
-            dropout on CUDA, whose mask the executor cannot replay.
     """
 
     num_layers: int
@@ -113,7 +111,6 @@ class StepMeasurements:
     host_budget: float
     device_budget: float | None
     requested_alpha: float | None
-    x_only_allowed: bool
 
 
 class _Transport:
@@ -315,7 +312,6 @@ class MemoRuntime:
                 max(measured.device_budget, 0.0),
                 measured.host_budget,
                 min(measured.chunks, SOLVER_ALPHA_STEPS),
-                measured.x_only_allowed,
             )
         except PolicyDoesNotFit as error:
             raise PolicyDoesNotFit(
@@ -361,7 +357,6 @@ class MemoRuntime:
             host_budget=self.host_limit,
             device_budget=device_budget,
             requested_alpha=requested,
-            x_only_allowed=not (x.is_cuda and split.dropout_p > 0),
         )
         group = getattr(core, "group", None)  # a sequence-parallel core's process group
         if group is not None and requested is None and device_budget is not None:
