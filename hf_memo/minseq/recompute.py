@@ -17,7 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_memo.minseq.grads import GradSum
-from hf_memo.minseq.replay import ReplayState
+from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
 
 # fn(rows, start, stop) -> output for rows [start, stop) of the input.
 ChunkFunction = Callable[[torch.Tensor, int, int], torch.Tensor]
@@ -61,18 +61,19 @@ class _ChunkedRecompute(torch.autograd.Function):
         wanted_params = [p for p, w in zip(params, wanted) if w]
         grad_x = torch.empty_like(x) if need_x else None
         sums = GradSum(params, wanted)
-        for (start, stop), replay in zip(ctx.bounds, ctx.replays):
-            rows = x[start:stop].detach().requires_grad_(need_x)
-            with torch.enable_grad(), replay.replay():
-                y = ctx.fn(rows, start, stop)
-            upstream = grad_out if ctx.reduce == "sum" else grad_out[start:stop]
-            inputs = ([rows] if need_x else []) + wanted_params
-            grads = list(torch.autograd.grad(y, inputs, upstream, allow_unused=True))
-            if need_x:
-                chunk_grad = grads.pop(0)
-                grad_x[start:stop] = 0 if chunk_grad is None else chunk_grad
-            remaining = iter(grads)
-            sums.add([next(remaining) if w else None for w in wanted])
+        with autocast_cache_kept(x.device):
+            for (start, stop), replay in zip(ctx.bounds, ctx.replays):
+                rows = x[start:stop].detach().requires_grad_(need_x)
+                with torch.enable_grad(), replay.replay():
+                    y = ctx.fn(rows, start, stop)
+                upstream = grad_out if ctx.reduce == "sum" else grad_out[start:stop]
+                inputs = ([rows] if need_x else []) + wanted_params
+                grads = list(torch.autograd.grad(y, inputs, upstream, allow_unused=True))
+                if need_x:
+                    chunk_grad = grads.pop(0)
+                    grad_x[start:stop] = 0 if chunk_grad is None else chunk_grad
+                remaining = iter(grads)
+                sums.add([next(remaining) if w else None for w in wanted])
         return (None, None, None, grad_x, *sums.result())
 
 

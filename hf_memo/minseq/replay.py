@@ -1,4 +1,9 @@
-"""What a recomputation in backward needs to repeat a forward exactly: RNG state and autocast state."""
+"""What a recomputation in backward needs to repeat a forward exactly: RNG state and autocast state.
+
+Leaving the outermost ``torch.autocast`` region empties autocast's cache of weight casts. A backward that
+recomputes chunk after chunk, each under :meth:`ReplayState.replay`, runs them inside
+:func:`autocast_cache_kept`, so each weight is cast once per backward, not once per chunk.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +49,13 @@ class ReplayState:
                 torch.cuda.set_rng_state(self.device_rng, self.device)
             with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_enabled):
                 yield
+
+
+@contextmanager
+def autocast_cache_kept(device: torch.device) -> Iterator[None]:
+    """Keep autocast's weight-cast cache across the :meth:`ReplayState.replay` regions run inside (until this
+    region ends); the autocast state inside is the caller's, unchanged (so a backward run inside stays as it is).
+    """
+    kind = device.type
+    with torch.autocast(kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind)):
+        yield

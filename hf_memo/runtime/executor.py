@@ -38,7 +38,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from hf_memo.minseq.grads import GradSum
-from hf_memo.minseq.replay import ReplayState
+from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
 from hf_memo.runtime.attention_core import AttentionStats
 from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
@@ -247,6 +247,11 @@ class MemoLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
+        with autocast_cache_kept(grad_y.device):  # each weight cast once, not once per recomputed chunk
+            return MemoLayerFunction._backward(ctx, grad_y)
+
+    @staticmethod
+    def _backward(ctx, grad_y: torch.Tensor) -> tuple:
         stash: LayerStash = ctx.stash
         split: LayerSplit = ctx.split
         params = ctx.saved_tensors
