@@ -151,3 +151,15 @@ def test_layer_forward_seconds_times_chunks_of_at_most_chunk_tokens_rows(monkeyp
     projected = [rows for kind, rows in log if kind == "project"]
     assert projected == [b - a for a, b in chunk_bounds(50, 4)] * 2  # ceil(50 / 16) = 4 chunks, warm-up then timed
     assert seconds == 3.0  # three timed intervals of one tick: projections, attention, the rest
+
+
+def test_peak_allocated_keeps_the_highest_reading_after_any_op_and_resets_nothing():
+    from hf_memo.runtime.calibration import PeakAllocated
+
+    live = []
+    with PeakAllocated(lambda: sum(t.numel() for t in live)) as peak:  # a stand-in for the allocator's counter
+        live.append(torch.ones(100))
+        live.append(torch.ones(50) * 2)
+        live.clear()
+        torch.zeros(3)
+    assert peak.peak == 150

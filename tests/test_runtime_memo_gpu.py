@@ -54,6 +54,17 @@ def test_cuda_timing_measures_the_chunked_forward_and_its_memory():
     assert whole.workspace_bytes - chunked.workspace_bytes > intermediate
 
 
+def test_calibration_leaves_the_users_peak_memory_counter_alone():
+    model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=1).cuda()
+    x = torch.randn(1, 1024, 32, dtype=torch.bfloat16, device="cuda")
+    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(1024, device="cuda")[None]))
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # a peak the user's step reached
+    del big
+    before = torch.cuda.max_memory_allocated()
+    assert time_layer_forward(split, x, chunk_bounds(1024, 4)).workspace_bytes > 0
+    assert torch.cuda.max_memory_allocated() == before
+
+
 def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_keeps_inputs_only():
     device = torch.device("cuda")
     model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2).cuda()

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.runtime.attention_core import LocalAttention
@@ -166,6 +168,23 @@ def _chunked_forward(
     return y
 
 
+class PeakAllocated(TorchDispatchMode):
+    """The highest ``read()`` (e.g. ``torch.cuda.memory_allocated``) seen after any op run while active, as
+    :attr:`peak`: the tensor-level peak of a computation, measured without resetting the allocator's own peak
+    counter (which the Trainer's memory metrics and users' measurements read). Scratch memory an op frees before
+    it returns is not seen."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        super().__init__()
+        self.read = read
+        self.peak = read()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.read())
+        return out
+
+
 def time_layer_forward(
     split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore = LocalAttention
 ) -> LayerForward:
@@ -174,23 +193,25 @@ def time_layer_forward(
     The sequence is cut at ``bounds`` (the executor's chunks: no full-length MLP intermediate ever
     exists) and attention runs through ``core`` (under sequence parallelism, the core that exchanges
     heads for the sequence: the all-to-alls are timed too, and every rank of the group must call this
-    together). A first, untimed call warms up kernels, workspaces and caches; the second is timed with
-    CUDA events on CUDA (``perf_counter`` on CPU), as a whole and its attention core alone, and its peak
-    device memory is measured (on CUDA this resets the allocator's peak counter). RNG state is left untouched.
+    together). A first, untimed call warms up kernels, workspaces and caches, and on CUDA measures the peak
+    device memory above what was allocated before (:class:`PeakAllocated`: the allocator's peak counter is
+    not reset); the second is timed with CUDA events on CUDA (``perf_counter`` on CPU), as a whole and its
+    attention core alone. RNG state is left untouched.
     """
     cuda = x.device.type == "cuda"
     devices = [x.device] if cuda else []
     clock = _Clock(x.device)
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.no_grad():
-        _chunked_forward(split, x, bounds, core)
-        base = 0
+        workspace = 0
         if cuda:
-            torch.cuda.synchronize(x.device)
             base = torch.cuda.memory_allocated(x.device)
-            torch.cuda.reset_peak_memory_stats(x.device)
+            with PeakAllocated(lambda: torch.cuda.memory_allocated(x.device)) as peak:
+                _chunked_forward(split, x, bounds, core)
+            workspace = peak.peak - base
+        else:
+            _chunked_forward(split, x, bounds, core)
         _chunked_forward(split, x, bounds, core, clock)
         pre, attention, post = clock.seconds()
-        workspace = torch.cuda.max_memory_allocated(x.device) - base if cuda else 0
         return LayerForward(pre + attention + post, workspace, attention)
 
 
