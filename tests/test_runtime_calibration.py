@@ -159,7 +159,8 @@ def test_peak_allocated_keeps_the_highest_reading_after_any_op_and_resets_nothin
     live = []
     with PeakAllocated(lambda: sum(t.numel() for t in live)) as peak:  # a stand-in for the allocator's counter
         live.append(torch.ones(100))
-        live.append(torch.ones(50) * 2)
+        live.append(torch.ones(50))
+        torch.zeros(3)  # read after this op: 150 live
         live.clear()
         torch.zeros(3)
     assert peak.peak == 150
