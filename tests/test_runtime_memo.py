@@ -398,3 +398,51 @@ def test_gradients_to_come_are_kept_out_of_the_budget_and_the_optimizer_state_is
     assert any(layer.keep_attention or layer.alpha > 0 for layer in policies[0].layers)
     assert policies[1] is not policies[0] and policies[2] is policies[1]  # decided again once, then kept
     assert policies[1].layers == (LayerPolicy(False, True, 0.0),) * 4 + (LayerPolicy(False, False, 0.0),) * 2
+
+
+@pytest.mark.filterwarnings("ignore::hf_memo.runtime.arena.ArenaWarning")  # the stand-in plan places nothing
+def test_steps_of_varying_length_in_one_bucket_decide_plan_and_pin_once(monkeypatch):
+    """Dynamic padding: ten steps of lengths 993-1008 (one length bucket) decide the memory policy, plan memory
+    and register host buffers on the first step only; a step of another bucket decides and plans again."""
+    reference = build_model("llama", num_hidden_layers=4)
+    model = hf_memo.apply(
+        copy.deepcopy(reference), recompute="memo", offload_fraction=0.5, mlp_chunks=4, lm_head_chunks=2
+    )
+    runtime = hf_memo.memo_runtime(model)
+    solved, planned, registered = [], [], []
+    solve = MemoRuntime._solve
+    monkeypatch.setattr(MemoRuntime, "_solve", lambda self, *a: solved.append(a[1].shape[1]) or solve(self, *a))
+    runtime._planner = lambda batch, seq, offload: (
+        planned.append(seq)
+        or MemoryPlan(
+            "x",
+            512,
+            0,
+            0,
+            [],
+            [],
+            {},
+            0,
+            {},
+            {},
+            meta={"batch_size": batch, "seq_len": seq, "offload": offload.to_dict()},
+        )
+    )
+    runtime.config = runtime.config.replace(planner="greedy")
+    allocate = PlainMemory.allocate
+    monkeypatch.setattr(PlainMemory, "allocate", lambda self, n: registered.append(n) or allocate(self, n))
+    lengths = [1000, 1008, 993, 1005, 999, 1001, 1007, 994, 1003, 996]
+    for step, seq in enumerate(lengths):
+        ids, labels = make_batch(1, seq, seed=step)
+        model(input_ids=ids, labels=labels).loss.backward()
+        if step == 0:
+            first_step_registrations = len(registered)
+    assert solved == [1000] and planned == [1008]  # the bucket's longest length
+    assert first_step_registrations > 0 and len(registered) == first_step_registrations
+    for m in (model, reference):
+        m.zero_grad()
+    ids, labels = make_batch(1, 1009, seed=99)  # the next bucket (1009-1024)
+    for m in (model, reference):
+        m(input_ids=ids, labels=labels).loss.backward()
+    assert solved == [1000, 1009] and planned == [1008, 1024]
+    assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)

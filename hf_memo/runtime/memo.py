@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -20,6 +21,7 @@ from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
 from hf_memo.runtime.alpha import quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
+from hf_memo.runtime.buckets import bucket_length, stretch
 from hf_memo.runtime.calibration import (
     LayerBytes,
     LayerForward,
@@ -172,6 +174,7 @@ class MemoRuntime:
         # backward; an aborted step must not outlive its graph), and the index of the layer that opened one last.
         self._forward: dict[int, weakref.ref[LayerStash]] = {}
         self._last_opened = -1
+        self._stretch = 1.0  # of the step shape whose layers run now (see alpha_chunks)
 
     def __deepcopy__(self, memo: dict) -> MemoRuntime:
         """A runtime for a copy of the model: same config, planner (bound to the copy) and assumed policy; what
@@ -189,9 +192,11 @@ class MemoRuntime:
         ``x`` ``(B, S, H)`` whose attention runs through ``core``.
 
         The first step of a new shape decides the memory policy (measuring on ``x``) and then, with a
-        planner, plans memory for it.
+        planner, plans memory for it. Shapes are bucketed by length (:mod:`~hf_memo.runtime.buckets`): the
+        decision and plan are made for the bucket's longest length, and serve every length of the bucket.
         """
         key = _shape_key(x)
+        self._stretch = stretch(x.shape[1])
         if key in self._before_optimizer and _OptimizerSteps.count > self._steps_at_start:
             self._before_optimizer.discard(key)  # decided again: the optimizer's state now takes device memory
             del self._decisions[key]
@@ -211,13 +216,15 @@ class MemoRuntime:
                 decision.head_offloaded,
             )
             if self.config.planner != "off":
-                self._plan_memory(x.shape[0], x.shape[1], decision)
+                self._plan_memory(x.shape[0], bucket_length(x.shape[1]), decision)
         self.plan = self._decisions[key].policy
         return quantise(self.plan.layers[index].alpha, len(bounds))
 
     def offload_for(self, batch_size: int, seq_len: int) -> OffloadDecision | None:
-        """The decision made for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens, if any yet."""
-        return next((d for key, d in self._decisions.items() if key[0][:2] == (batch_size, seq_len)), None)
+        """The decision made for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens (its length bucket),
+        if any yet."""
+        wanted = (batch_size, bucket_length(seq_len))
+        return next((d for key, d in self._decisions.items() if key[0][:2] == wanted), None)
 
     def assume_offload(self, decision: OffloadDecision) -> None:
         """Use ``decision`` for every shape instead of solving (a profiling copy runs the real model's offload)."""
@@ -252,12 +259,13 @@ class MemoRuntime:
         else:
             measured = self._measure(split, x, bounds, core)
             per_token, policy = measured.per_token, self._decide(measured)
-        tokens = x.shape[0] * x.shape[1]
+        tokens = x.shape[0] * bucket_length(x.shape[1])  # the bucket's longest steps must fit
         host_bytes = sum(_kept_per_token(layer, per_token) for layer in policy.layers if layer.on_host) * tokens
         # Only beside host layers: when every layer stays on the device the step fits there, and the head's
         # copies would borrow copy buffers no layer made.
         swapping = any(layer.on_host for layer in policy.layers)
-        return OffloadDecision(policy, swapping and host_bytes + x.numel() * x.element_size() <= self.host_limit)
+        head_bytes = tokens * x.shape[-1] * x.element_size()
+        return OffloadDecision(policy, swapping and host_bytes + head_bytes <= self.host_limit)
 
     def _decide(self, measured: StepMeasurements) -> MemoryPolicy:
         """Every layer's policy for one step shape, from what was measured on it.
@@ -325,7 +333,8 @@ class MemoRuntime:
         self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
     ) -> StepMeasurements:
         """Measure one layer on ``x`` ``(B, S, H)``: its bytes per token always; its forward time (and the
-        attention core's part) and the host bandwidth when alpha is to be solved; the device budget."""
+        attention core's part) and the host bandwidth when alpha is to be solved; the device budget. Tokens, and
+        times and workspace measured on ``x``, are scaled up to the longest length of ``x``'s bucket."""
         fraction = self.config.offload_fraction
         requested = None if fraction == "auto" else float(fraction)
         device_limit = self._device_limit(x.device)
@@ -333,6 +342,10 @@ class MemoRuntime:
         solver = requested is None and device_limit is not None  # it needs the attention core's share of T
         if (requested is None and self.config.layer_time is None) or solver or (device_limit is not None and x.is_cuda):
             timing = time_layer_forward(split, x, bounds, core)
+            longer = stretch(x.shape[1])
+            timing = LayerForward(
+                timing.seconds * longer, math.ceil(timing.workspace_bytes * longer), timing.attention_seconds * longer
+            )
         bandwidth = layer_time = attention_time = None
         if requested is None:
             if x.device not in self._bandwidth:
@@ -348,7 +361,7 @@ class MemoRuntime:
             device_budget = device_limit - in_use - BACKWARD_WORKSPACE_FACTOR * workspace
         measured = StepMeasurements(
             num_layers=self.num_layers,
-            tokens=x.shape[0] * x.shape[1],
+            tokens=x.shape[0] * bucket_length(x.shape[1]),
             chunks=len(bounds),
             per_token=layer_bytes_per_token(split, x),
             layer_seconds=layer_time,
@@ -426,6 +439,7 @@ class MemoRuntime:
             transport.rounding,
             transport.prefetch,
             keep_attention=layer.keep_attention,
+            stretch=self._stretch,
         )
 
     def open_head_stash(self, hidden: torch.Tensor) -> LayerStash | None:
@@ -441,7 +455,13 @@ class MemoRuntime:
             return None
         transport = self._transport(hidden.device)
         return LayerStash(
-            self.num_layers, True, transport.engine, transport.pool, transport.rounding, transport.prefetch
+            self.num_layers,
+            True,
+            transport.engine,
+            transport.pool,
+            transport.rounding,
+            transport.prefetch,
+            stretch=stretch(hidden.shape[1]),
         )
 
     def sealed(self, index: int, stash: LayerStash) -> None:
@@ -505,7 +525,8 @@ def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.
 
 
 def _shape_key(x: torch.Tensor) -> tuple:
-    return tuple(x.shape), x.dtype, x.device
+    """A decision's key: ``x``'s shape with its length ``S`` (dimension 1) bucketed, dtype, device."""
+    return (x.shape[0], bucket_length(x.shape[1]), *x.shape[2:]), x.dtype, x.device
 
 
 def _kept_per_token(layer: LayerPolicy, per_token: LayerBytes) -> float:

@@ -97,15 +97,16 @@ class HostPool:
         self.reserved_bytes = 0
         self.in_use_bytes = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
         """A ``(>= nbytes,)`` uint8 host buffer: the smallest free one that fits without wasting more than
-        ``REUSE_SLACK``, else a new one."""
+        ``REUSE_SLACK``, else a new one of ``max(nbytes, capacity)`` bytes (``capacity``: what the longest step
+        of the length bucket will ask for, so that its steps share the buffer)."""
         largest = max(REUSE_SLACK * nbytes, nbytes + PAGE)
         fitting = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= largest]
         if fitting:
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         else:
-            buffer, held = self.memory.allocate(nbytes)
+            buffer, held = self.memory.allocate(max(nbytes, capacity))
             mark_host(buffer)
             self._held[id(buffer)] = held
             self.reserved_bytes += held

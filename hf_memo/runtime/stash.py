@@ -11,6 +11,7 @@ above computes — and every saved tensor is rebuilt as a view with its original
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -58,9 +59,10 @@ class DeviceSlots:
         self._busy: list[torch.cuda.Event | None] = [None, None]
         self._holders: list[weakref.ref[LayerStash] | None] = [None, None]
 
-    def acquire(self, slot: int, nbytes: int, holder: LayerStash | None = None) -> torch.Tensor:
+    def acquire(self, slot: int, nbytes: int, holder: LayerStash | None = None, capacity: int = 0) -> torch.Tensor:
         """The ``(>= nbytes,)`` uint8 buffer of ``slot``, once its previous use has finished; ``holder`` (if
-        given) holds it from now on, and the previous holder is evicted."""
+        given) holds it from now on, and the previous holder is evicted. A new buffer holds ``capacity`` bytes if
+        that is more (the longest step of the length bucket), unless the memory plan places it."""
         self._evict(slot, keep=holder)
         self._holders[slot] = None if holder is None else weakref.ref(holder)
         self.engine.wait(self._busy[slot])
@@ -71,7 +73,8 @@ class DeviceSlots:
             if self.arena is not None:
                 buffer = self.arena.take(name, (nbytes,), torch.uint8)
             else:
-                buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), name)
+                size = max(nbytes, capacity)
+                buffer = mark_owned(torch.empty(size, dtype=torch.uint8, device=self.device), name)
             self._buffers[slot] = buffer
         return buffer
 
@@ -113,7 +116,9 @@ class LayerStash:
     """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``.
 
     ``keep_attention`` tells the executor what the layer keeps: its attention output and statistics too,
-    or (``False``) its input only, attention being recomputed in backward. ``below`` is the stash of the
+    or (``False``) its input only, attention being recomputed in backward. ``stretch``: new host and device
+    buffers hold that many times the stash's bytes (the longest step of its length bucket, see
+    :mod:`~hf_memo.runtime.buckets`), so the bucket's other steps reuse them. ``below`` is the stash of the
     layer below in the same forward (set by the runtime when this one is sealed; ``None`` for the lowest):
     backward prefetches it, and only it, so each graph's backward fetches its own bytes.
     """
@@ -127,8 +132,9 @@ class LayerStash:
         rounding: DeviceSlots,
         prefetch: DeviceSlots,
         keep_attention: bool = True,
+        stretch: float = 1.0,
     ) -> None:
-        self.index, self.swapped, self.keep_attention = index, swapped, keep_attention
+        self.index, self.swapped, self.keep_attention, self.stretch = index, swapped, keep_attention, stretch
         self.below: weakref.ref[LayerStash] | None = None
         self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
@@ -178,10 +184,10 @@ class LayerStash:
         if not self.swapped:
             return
         slot = self.index % 2
-        staging = self._rounding.acquire(slot, self.nbytes)
+        staging = self._rounding.acquire(slot, self.nbytes, capacity=self._capacity)
         for whole, view in zip(self._storages, self._views(staging)):
             view.copy_(whole)
-        self._host = self._pool.acquire(self.nbytes)
+        self._host = self._pool.acquire(self.nbytes, capacity=self._capacity)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
         self._return_host = weakref.finalize(self, self._pool.release, self._host)
         self._stored = self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes])
@@ -191,9 +197,13 @@ class LayerStash:
     def prefetch(self) -> None:
         """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
         if self.swapped and self._slot_buffer is None and self._host is not None:
-            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self)
+            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self, capacity=self._capacity)
             self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes], self._stored)
             self._slot_buffer = buffer
+
+    @property
+    def _capacity(self) -> int:
+        return math.ceil(self.nbytes * self.stretch)
 
     def evict(self) -> None:
         """The prefetch slot holding this stash's bytes went to another stash (or back to the arena): a swapped
