@@ -326,6 +326,9 @@ def test_dry_run_reports_skipped_contenders_with_their_reason(dry_run):
     assert liger["status"] == "skipped" and liger["reason"] == unavailable_reason(CONTENDERS["hf+liger-flce"], True)
     memo_rows = [r for r in rows.values() if r["contender"] == "memo-auto"]
     assert {r["seq_len"]: r["status"] for r in memo_rows}[32] == "ok"
+    # memo's host pool (registered, not PyTorch's pinned allocator) is reported: empty here, where the dry run's
+    # two layers are the two MEMO keeps on the device
+    assert all(r["metrics"]["memo_host_bytes"] == 0 for r in memo_rows if r["status"] == "ok")
     assert not any(r["seq_len"] is not None for r in rows.values() if r["contender"] == "hf+liger-flce")
 
 
@@ -413,3 +416,15 @@ def test_dry_run_scale_maps_the_real_grid():
     real, dry = suite("h200").plan(dry_run=False), suite("h200").plan(dry_run=True)
     assert dry.grid == [s // DRY_RUN_SCALE for s in real.grid]
     assert dry.reference_length == real.reference_length // DRY_RUN_SCALE
+
+
+def test_the_host_column_adds_memos_registered_bytes_to_pytorchs_pinned_peak():
+    from benchmarks.suite.report import _host
+
+    assert _host({"pinned_peak_bytes": 2 * 2**30, "memo_host_bytes": 6 * 2**30}, False).endswith(" pinned")
+    assert _host({"pinned_peak_bytes": 2 * 2**30, "memo_host_bytes": 6 * 2**30}, False) == _host(
+        {"pinned_peak_bytes": 8 * 2**30}, False
+    )
+    assert _host({"memo_host_bytes": 4096, "host_rss_before_bytes": 0, "host_rss_after_bytes": 1}, True).endswith(
+        " host pool"
+    )

@@ -40,8 +40,11 @@ def _mfu(metrics: dict[str, Any]) -> str:
 
 
 def _host(metrics: dict[str, Any], dry_run: bool) -> str:
-    if metrics.get("pinned_peak_bytes"):
-        return _size(metrics["pinned_peak_bytes"], dry_run) + " pinned"
+    """Pinned host bytes: PyTorch's pinned allocator's peak plus what memo's host pool registered (plain host
+    memory in a dry run); else the growth of the process's resident memory."""
+    pinned = (metrics.get("pinned_peak_bytes") or 0) + (metrics.get("memo_host_bytes") or 0)
+    if pinned:
+        return _size(pinned, dry_run) + (" host pool" if dry_run else " pinned")
     before, after = metrics.get("host_rss_before_bytes"), metrics.get("host_rss_after_bytes")
     return "—" if before is None or after is None else _size(after - before, dry_run) + " RSS"
 

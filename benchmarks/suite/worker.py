@@ -43,6 +43,7 @@ from benchmarks.suite.contenders import ALLOC_CONF, Contender, contender, memo_c
 from benchmarks.suite.metrics import mfu
 from benchmarks.suite.store import DEVICE_OOM, HOST_OOM, PINNED_OOM
 from benchmarks.suite.workloads import LORA_TARGETS, Workload, workload
+from hf_memo import memo_runtime
 from hf_memo.integrations.flops import FlopModel
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import peak
@@ -319,6 +320,9 @@ def run(job: Job, metrics: dict[str, Any]) -> None:
             break
         times.append(steps.step()[0])
     metrics.update(_memory_metrics(device))
+    runtime = memo_runtime(model)
+    if runtime is not None:  # registered with cudaHostRegister (plain memory on CPU): not in PyTorch's pinned stats
+        metrics["memo_host_bytes"] = runtime.host_reserved_bytes
     metrics["host_rss_after_bytes"] = process.memory_info().rss
     metrics["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if times:
