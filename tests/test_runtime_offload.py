@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_memo.profiler.placement import location_of
-from hf_memo.runtime.offload import PAGE, CopyEngine, HostPool, RegisteredMemory
+from hf_memo.runtime.offload import HOST_REGISTER_PORTABLE, PAGE, CopyEngine, HostPool, RegisteredMemory
 
 
 def test_pool_reuses_released_buffers_and_does_not_grow():
@@ -48,7 +48,7 @@ class FakeCudaRuntime:
         self.pinned: dict[int, int] = {}  # address -> bytes
 
     def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802
-        assert address % PAGE == 0 and flags == 0 and address not in self.pinned
+        assert address % PAGE == 0 and flags == HOST_REGISTER_PORTABLE and address not in self.pinned
         self.pinned[address] = -(-nbytes // PAGE) * PAGE
         return self.cudaError.success
 

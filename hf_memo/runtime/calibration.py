@@ -124,13 +124,13 @@ class _Clock:
     read once the run is done; ``perf_counter`` on CPU)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.points: list = []
 
     def mark(self) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the model's device, whichever is current
             self.points.append(event)
         else:
             self.points.append(time.perf_counter())

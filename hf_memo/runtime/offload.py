@@ -21,6 +21,7 @@ import torch
 from hf_memo.profiler.placement import mark_host
 
 PAGE = mmap.PAGESIZE
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class HostMemory(Protocol):
@@ -55,7 +56,9 @@ class RegisteredMemory:
         raw = torch.empty(pinned + PAGE, dtype=torch.uint8)
         start = -raw.data_ptr() % PAGE
         buffer = raw[start : start + nbytes]
-        error = self.cudart.cudaHostRegister(raw.data_ptr() + start, pinned, 0)
+        # Portable: pinned for every device's context, not only the current device's (several GPUs per process
+        # or a current device other than the model's)
+        error = self.cudart.cudaHostRegister(raw.data_ptr() + start, pinned, HOST_REGISTER_PORTABLE)
         if error != self.cudart.cudaError.success:
             raise RuntimeError(
                 f"cudaHostRegister could not pin {pinned} bytes of host memory for offloading "
