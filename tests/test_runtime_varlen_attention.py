@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
 from hf_memo.runtime.batch_layout import BatchLayout
 from hf_memo.runtime.varlen_attention import ROW_KEYWORDS, VarlenAttention, attend_per_sample, attention_core_for
 
@@ -76,3 +76,72 @@ def test_attention_functions_get_one_sample_each_and_no_row_descriptions():
     assert calls == [(n, None, ["scaling"]) for n in (3, 5, 1, 4, 9)]
     torch.testing.assert_close(out[0], q[0].transpose(0, 1) * 2)
     assert (out[1, :2] == 0).all() and (out[1, 11:] == 0).all()
+
+
+class CountingCpuPackedKernels:
+    """Stands in for the CUDA varlen flash kernel on the CPU: the same packed ``(total, h, D)`` interface, each
+    sample of ``cu`` attended with the CPU core; counts its calls."""
+
+    calls = 0
+
+    @classmethod
+    def forward(cls, q, k, v, cu, longest, scale, p):
+        cls.calls += 1
+        assert q.is_contiguous() and q.dim() == 3 and longest == int((cu[1:] - cu[:-1]).max())
+        outs, lses = [], []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            sample = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]  # (1, h, s, D)
+            out, stats = LocalAttention.forward(*sample, scale, p)
+            outs.append(out[0].transpose(0, 1))
+            lses.append(stats.lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1), ()
+
+    @classmethod
+    def backward(cls, grad_out, q, k, v, out, lse, extra, cu, longest, scale, p):
+        grads = [[], [], []]
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            sample = [t[a:b].transpose(0, 1)[None] for t in (grad_out, q, k, v, out)]
+            stats = AttentionStats(lse[:, a:b][None])
+            for parts, g in zip(grads, LocalAttention.backward(*sample, stats, scale)):
+                parts.append(g[0].transpose(0, 1))
+        return tuple(torch.cat(parts) for parts in grads)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_packed_path_gathers_the_samples_into_one_call_and_scatters_results_back(kv_heads):
+    """Where the varlen kernel serves (CUDA, stood in here), one call attends every sample of the batch: output and
+    gradients equal the per-sample path's, padding zero, in the inputs' layouts."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 13, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)  # (B, h, S, D) views
+    k, v = (torch.randn(2, 13, kv_heads, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in "kv")
+    grad_out = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
+    layout = BatchLayout(13, ROWS)
+    CountingCpuPackedKernels.calls = 0
+    packed = VarlenAttention(layout, packed=CountingCpuPackedKernels)
+    out, stats = packed.forward(q, k, v, 0.3)
+    grads = packed.backward(grad_out, q, k, v, out, stats, 0.3)
+    assert CountingCpuPackedKernels.calls == 1 and stats.lse.shape == (4, 3 + 5 + 1 + 4 + 9)
+    per_sample = VarlenAttention(layout)
+    want_out, want_stats = per_sample.forward(q, k, v, 0.3)
+    want_grads = per_sample.backward(grad_out, q, k, v, want_out, want_stats, 0.3)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    assert out.transpose(1, 2).is_contiguous()  # the executor keeps rows as views of (B, S, h, D) memory
+    for got, want, like in zip(grads, want_grads, (q, k, v)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        assert got.shape == like.shape and got.stride() == like.stride()
+    assert (out[1, :, :2] == 0).all() and (grads[0][1, :, 11:] == 0).all()
+
+
+def test_the_packed_kernels_serve_where_the_flash_kernel_does_and_never_attending_padding(monkeypatch):
+    from hf_memo.runtime import varlen_attention
+    from hf_memo.runtime.varlen_attention import PackedKernels, packed_kernels_for
+
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    packed, padded = BatchLayout(8, (((0, 3), (3, 8)),)), BatchLayout(8, (((0, 3),),), padding_attends=True)
+    assert packed_kernels_for(q, packed, 0.0) is None  # CPU: per-sample calls
+    chosen = []
+    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, p: chosen.append(t.dtype) or "cuda-flash")
+    assert packed_kernels_for(q, packed, 0.1) is PackedKernels and chosen == [torch.bfloat16]
+    assert packed_kernels_for(q, padded, 0.0) is None  # padding attending over its sample: per-block calls
+    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, p: "cuda-efficient")
+    assert packed_kernels_for(q, packed, 0.0) is None

@@ -114,7 +114,7 @@ def needs_kv_expansion(backend: str) -> bool:
     return backend == "cuda-efficient"
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The dtype SDPA would run in: the autocast dtype under autocast (it casts SDPA's inputs), else the inputs'."""
     device = tensors[0].device.type
     if torch.is_autocast_enabled(device):
@@ -138,7 +138,7 @@ def attention_forward(
         dropout_p: probability of dropping an attention probability (training), as in SDPA.
         causal: ``False``: every query attends to every key, and k, v may hold ``S_k != S`` tokens.
     """
-    dtype = _compute_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backend = backend_for(q, dropout_p)
     if needs_kv_expansion(backend):
