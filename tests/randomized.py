@@ -1,0 +1,201 @@
+"""Randomized configurations of a patched training step against the unpatched model (fp64).
+
+Each seed draws a family, a recompute mode (memo with a fixed offload fraction or a random per-layer policy),
+chunk counts that need not divide the sequence, a batch layout (plain, left or right padding with or without
+targets on the padding, packed samples), masked labels, LoRA or full fine-tuning, and a step pattern: one to
+three graphs alive at once, differentiated in a random order, the first maybe twice (``retain_graph=True``),
+accumulated with ``num_items_in_batch``. Loss and every gradient must equal the unpatched model's.
+
+The suite runs a fixed set of seeds (``tests/test_patches_randomized.py``); a longer search runs from the
+command line: ``python -m tests.randomized --count 500 --first 1000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import hf_memo
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from tests.conftest import FAMILIES, VOCAB, build_model
+
+MODES = ("none", "full", "selective", "memo", "memo-policy")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn configuration (its ``repr`` reproduces it)."""
+
+    seed: int
+    family: str
+    mode: str
+    layers: int
+    mlp_chunks: int
+    lm_head_chunks: int
+    offload_fraction: float
+    policy: tuple[tuple[bool, bool, float], ...]
+    layout: str  # "plain", "left", "right", "right-targets", "packed"
+    batch: int
+    length: int
+    lora: bool
+    graphs: int
+    order: tuple[int, ...]
+    retain: bool
+
+
+def draw(seed: int) -> Case:
+    """The configuration of ``seed``."""
+    rng = random.Random(seed)
+    layers = rng.randint(1, 3)
+    layout = rng.choice(("plain", "left", "right", "right-targets", "packed"))
+    graphs = rng.choice((1, 1, 2, 3))
+    return Case(
+        seed=seed,
+        family=rng.choice(FAMILIES),
+        mode=rng.choice(MODES),
+        layers=layers,
+        mlp_chunks=rng.randint(1, 5),
+        lm_head_chunks=rng.randint(1, 4),
+        offload_fraction=rng.choice((0.0, 0.5, 1.0, 0.3)),
+        policy=tuple(
+            (rng.random() < 0.5, rng.random() < 0.5, rng.choice((0.0, 1 / 3, 0.5, 1.0))) for _ in range(layers)
+        ),
+        layout=layout,
+        batch=1 if layout == "packed" else rng.randint(1, 3),
+        length=rng.randint(5, 23),
+        lora=rng.random() < 0.3,
+        graphs=graphs,
+        order=tuple(rng.sample(range(graphs), graphs)),
+        retain=rng.random() < 0.3,
+    )
+
+
+def _batch(case: Case, index: int) -> dict:
+    """The model inputs of graph ``index``: ``input_ids``, ``labels`` and a mask or positions per the layout."""
+    gen = torch.Generator().manual_seed(case.seed * 10 + index)
+    batch, length = case.batch, case.length + index  # a length per graph
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    labels = ids.clone()
+    labels[torch.rand(batch, length, generator=gen) < 0.3] = -100
+    inputs = {"input_ids": ids, "labels": labels}
+    if case.layout == "packed":
+        cuts = sorted(random.Random(case.seed + index).sample(range(1, length), min(3, length - 1)))
+        starts = [0, *cuts]
+        positions = torch.cat([torch.arange(b - a) for a, b in zip(starts, [*cuts, length])])[None]
+        labels[0, starts] = -100  # a sample's first token predicts nothing from the previous sample
+        inputs["position_ids"] = positions
+    elif case.layout != "plain":
+        mask = torch.ones_like(ids)
+        for row in range(batch):
+            pad = int(torch.randint(0, length - 2, (), generator=gen))
+            if case.layout == "left":
+                mask[row, :pad] = 0
+            else:
+                mask[row, length - pad :] = 0
+        if case.layout != "right-targets":
+            labels[mask == 0] = -100
+        inputs["attention_mask"] = mask
+    if not (labels[:, 1:] != -100).any():  # give the step one target: a loss over no tokens is 0 / 0
+        trainable = torch.ones_like(ids, dtype=torch.bool)
+        trainable[:, 0] = False
+        if "attention_mask" in inputs:
+            trainable &= inputs["attention_mask"].bool()
+        if "position_ids" in inputs:
+            trainable &= inputs["position_ids"] > 0
+        row, column = trainable.nonzero()[0].tolist()
+        labels[row, column] = ids[row, column]
+    return inputs
+
+
+def _models(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
+    layers = {"n_layer": case.layers} if case.family == "gpt2" else {"num_hidden_layers": case.layers}
+    reference = build_model(case.family, seed=case.seed, **layers)
+    if case.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["c_attn", "c_fc"] if case.family == "gpt2" else ["q_proj", "v_proj", "up_proj"]
+        torch.manual_seed(case.seed)
+        reference = get_peft_model(reference, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    model = copy.deepcopy(reference)
+    kwargs = {"mlp_chunks": case.mlp_chunks, "lm_head_chunks": case.lm_head_chunks}
+    if case.mode == "memo":
+        kwargs.update(recompute="memo", offload_fraction=case.offload_fraction)
+    elif case.mode == "memo-policy":
+        kwargs.update(recompute="memo")
+    else:
+        kwargs.update(recompute=case.mode)
+    hf_memo.apply(model, **kwargs)
+    if case.mode == "memo-policy":
+        policy = MemoryPolicy(tuple(LayerPolicy(keep, host, alpha) for keep, host, alpha in case.policy))
+        hf_memo.memo_runtime(model).assume_policy(policy)
+    return model, reference
+
+
+def run(case: Case) -> float:
+    """The worst relative gradient difference from the unpatched model (raises if a loss differs or a gradient
+    is present in only one model)."""
+    model, reference = _models(case)
+    batches = [_batch(case, i) for i in range(case.graphs)]
+    num_items = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+    extra = {"num_items_in_batch": num_items}
+    losses = [model(**b, **extra).loss for b in batches]
+    if case.retain:
+        (0.5 * losses[0]).backward(retain_graph=True)
+    for index in case.order:
+        losses[index].backward()
+    for index, b in enumerate(batches):
+        want = reference(**b, **extra, use_cache=False).loss
+        torch.testing.assert_close(losses[index].detach(), want.detach(), rtol=1e-6, atol=1e-9)
+        if case.retain and index == 0:
+            (0.5 * want).backward(retain_graph=True)
+        want.backward()
+    worst = 0.0
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        ref = ref_params[name]
+        assert (param.grad is None) == (ref.grad is None), f"{name}: gradient present in only one model"
+        if param.grad is not None:
+            scale = float(ref.grad.abs().max())
+            worst = max(worst, float((param.grad - ref.grad).abs().max()) / max(scale, GRADIENT_FLOOR))
+    return worst
+
+
+TOLERANCE = 1e-8  # relative to each gradient's largest element, fp64
+GRADIENT_FLOOR = 1e-6  # a gradient whose largest element is below this is compared absolutely (rounding noise)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--first", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    failures = 0
+    for seed in range(args.first, args.first + args.count):
+        case = draw(seed)
+        try:
+            worst = run(case)
+            status = "ok" if worst <= TOLERANCE else f"WRONG {worst:.2e}"
+        except ValueError as error:  # a clear refusal is an answer, not a wrong gradient
+            status = f"refused: {str(error).splitlines()[0][:100]}"
+            worst = 0.0
+        except RuntimeError as error:
+            if not (case.mode == "selective" and case.retain and "backward an extra time" in str(error)):
+                raise
+            status, worst = "refused: PyTorch's own retain_graph error (selective checkpointing)", 0.0
+        except Exception as error:  # noqa: BLE001 (the search reports every other failure)
+            status = f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+            worst = float("inf")
+        failures += worst > TOLERANCE
+        print(f"{status:12.100}  {case}", flush=True)
+    print(f"{failures} of {args.count} wrong or crashed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
