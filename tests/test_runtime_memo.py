@@ -446,3 +446,32 @@ def test_steps_of_varying_length_in_one_bucket_decide_plan_and_pin_once(monkeypa
         m(input_ids=ids, labels=labels).loss.backward()
     assert solved == [1000, 1009] and planned == [1008, 1024]
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
+
+
+def test_a_host_limit_smaller_than_the_swap_set_keeps_the_rest_on_the_device_with_one_warning():
+    """A policy that puts every layer on the host, and a host limit that holds about two layers' stashes: the
+    layers the host cannot take keep their stash on the device, one warning says so, the pool stays within the
+    limit and the gradients are the unpatched model's."""
+    from hf_memo.runtime.offload import HostMemoryWarning
+
+    reference = build_model("llama", num_hidden_layers=6)
+    probe = hf_memo.apply(copy.deepcopy(reference), recompute="memo", mlp_chunks=3, lm_head_chunks=2)
+    everything_on_host = MemoryPolicy((LayerPolicy(True, True, 1.0),) * 6)
+    hf_memo.memo_runtime(probe).assume_policy(everything_on_host)
+    ids, labels = make_batch(2, 24)
+    probe(input_ids=ids, labels=labels).loss.backward()
+    per_layer = hf_memo.memo_runtime(probe).host_reserved_bytes // 7  # six layers and the LM head's input
+    limit = int(2.5 * per_layer)
+    model = hf_memo.apply(
+        copy.deepcopy(reference), recompute="memo", mlp_chunks=3, lm_head_chunks=2, host_memory_limit=limit
+    )
+    runtime = hf_memo.memo_runtime(model)
+    runtime.assume_policy(everything_on_host)
+    with pytest.warns(HostMemoryWarning, match="activations stay on the device") as caught:
+        for _ in range(2):
+            model(input_ids=ids, labels=labels).loss.backward()
+    assert len([w for w in caught if w.category is HostMemoryWarning]) == 1
+    assert 0 < runtime.host_reserved_bytes <= limit
+    for _ in range(2):
+        reference(input_ids=ids, labels=labels).loss.backward()
+    assert_same_grads(model, reference, rtol=1e-9, atol=1e-12)

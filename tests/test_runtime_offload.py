@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from hf_memo.profiler.placement import location_of
-from hf_memo.runtime.offload import HOST_REGISTER_PORTABLE, PAGE, CopyEngine, HostPool, RegisteredMemory
+from hf_memo.runtime.offload import (
+    HOST_REGISTER_PORTABLE,
+    PAGE,
+    CopyEngine,
+    HostMemoryUnavailable,
+    HostPool,
+    RegisteredMemory,
+)
 
 
 def test_pool_reuses_released_buffers_and_does_not_grow():
@@ -109,3 +116,22 @@ def test_a_failed_registration_names_the_host_memory_limit():
     cudart.cudaHostRegister = lambda address, nbytes, flags: 2
     with pytest.raises(RuntimeError, match="could not pin 8192 bytes.*out of memory.*host_memory_limit"):
         pool.acquire(5000)
+
+
+def test_the_pool_stays_within_its_limit_freeing_unused_buffers_first():
+    pool = HostPool(torch.device("cpu"), limit=9 * PAGE)
+    idle = pool.acquire(4 * PAGE)
+    pool.release(idle)  # free, but held
+    held = pool.acquire(5 * PAGE, capacity=6 * PAGE)  # room only without ``idle``: it is freed, capacity kept
+    assert held.numel() == 6 * PAGE and pool.reserved_bytes == 6 * PAGE
+    smaller = pool.acquire(3 * PAGE, capacity=5 * PAGE)  # capacity does not fit: just the request
+    assert smaller.numel() == 3 * PAGE and pool.reserved_bytes == 9 * PAGE
+    with pytest.raises(HostMemoryUnavailable, match=f"{2 * PAGE} more bytes would pass the host limit of {9 * PAGE}"):
+        pool.acquire(2 * PAGE)
+
+
+def test_a_failed_registration_is_host_memory_unavailable():
+    cudart = FakeCudaRuntime()
+    cudart.cudaHostRegister = lambda address, nbytes, flags: 2
+    with pytest.raises(HostMemoryUnavailable, match="cudaHostRegister could not pin"):
+        HostPool(torch.device("cpu"), RegisteredMemory(cudart)).acquire(PAGE)

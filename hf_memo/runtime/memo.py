@@ -116,11 +116,12 @@ class StepMeasurements:
 
 
 class _Transport:
-    """Per-device copy engine, host pool, rounding buffers and prefetch buffers (from ``arena`` if planned)."""
+    """Per-device copy engine, host pool (holding at most ``host_limit`` bytes), rounding buffers and prefetch
+    buffers (from ``arena`` if planned)."""
 
-    def __init__(self, device: torch.device, arena: Arena | None) -> None:
+    def __init__(self, device: torch.device, arena: Arena | None, host_limit: int | None = None) -> None:
         self.engine = CopyEngine(device)
-        self.pool = HostPool(device)
+        self.pool = HostPool(device, limit=host_limit)
         self.rounding = DeviceSlots("rounding", device, self.engine, arena)
         self.prefetch = DeviceSlots("prefetch", device, self.engine, arena)
 
@@ -421,7 +422,7 @@ class MemoRuntime:
     def _transport(self, device: torch.device) -> _Transport:
         if device not in self._transports:
             arena = None if self.memory_plan is None else Arena(self.memory_plan, device)
-            self._transports[device] = _Transport(device, arena)
+            self._transports[device] = _Transport(device, arena, self.host_limit)
         return self._transports[device]
 
     def open_stash(self, index: int, device: torch.device) -> LayerStash:

@@ -13,6 +13,7 @@ rounded up to a page, and unpinning gives it back to the system.
 from __future__ import annotations
 
 import mmap
+import warnings
 import weakref
 from typing import Any, Protocol
 
@@ -21,6 +22,16 @@ import torch
 from hf_memo.profiler.placement import mark_host
 
 PAGE = mmap.PAGESIZE
+
+
+class HostMemoryUnavailable(RuntimeError):
+    """The host pool cannot give a buffer: pinning or allocating it failed, or it would pass the host limit."""
+
+
+class HostMemoryWarning(UserWarning):
+    """Offloading kept a stash on the device because the host had no room for it."""
+
+
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
@@ -60,7 +71,7 @@ class RegisteredMemory:
         # or a current device other than the model's)
         error = self.cudart.cudaHostRegister(raw.data_ptr() + start, pinned, HOST_REGISTER_PORTABLE)
         if error != self.cudart.cudaError.success:
-            raise RuntimeError(
+            raise HostMemoryUnavailable(
                 f"cudaHostRegister could not pin {pinned} bytes of host memory for offloading "
                 f"({self.cudart.cudaGetErrorString(error)}); lower MemoConfig.host_memory_limit"
             )
@@ -88,17 +99,19 @@ class HostPool:
 
     Args:
         memory: where buffers come from; by default pinned memory for CUDA, plain memory otherwise.
+        limit: the bytes the pool may hold (``MemoConfig.host_memory_limit``); ``None``: no limit.
     """
 
-    def __init__(self, device: torch.device, memory: HostMemory | None = None) -> None:
+    def __init__(self, device: torch.device, memory: HostMemory | None = None, limit: int | None = None) -> None:
         if memory is None:
             memory = RegisteredMemory(device=device) if device.type == "cuda" else PlainMemory()
-        self.memory = memory
+        self.memory, self.limit = memory, limit
         self._free: list[torch.Tensor] = []
         self._held: dict[int, int] = {}  # id(buffer) -> bytes held
         self._used: set[int] = set()  # ids of the buffers acquired since the last end_step
         self.reserved_bytes = 0
         self.in_use_bytes = 0
+        self._warned = False
 
     def acquire(self, nbytes: int, capacity: int = 0) -> torch.Tensor:
         """A ``(>= nbytes,)`` uint8 host buffer: the smallest free one that fits without wasting more than
@@ -109,13 +122,40 @@ class HostPool:
         if fitting:
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
         else:
-            buffer, held = self.memory.allocate(max(nbytes, capacity))
+            buffer, held = self._allocate(nbytes, max(nbytes, capacity))
             mark_host(buffer)
             self._held[id(buffer)] = held
             self.reserved_bytes += held
         self._used.add(id(buffer))
         self.in_use_bytes += buffer.numel()
         return buffer
+
+    def warn_once(self, message: str) -> None:
+        """One :class:`HostMemoryWarning` per pool: the first stash the host cannot take says so."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, HostMemoryWarning, stacklevel=3)
+
+    def _allocate(self, nbytes: int, size: int) -> tuple[torch.Tensor, int]:
+        """A new buffer of ``size`` bytes (``nbytes`` if ``size`` does not fit the limit), freeing the free buffers
+        first if the limit needs their room.
+
+        Raises:
+            HostMemoryUnavailable: even ``nbytes`` passes the limit, or the host memory could not be had.
+        """
+        if self.limit is not None and self.reserved_bytes + size > self.limit:
+            self._free_unused(keep=())
+            size = size if self.reserved_bytes + size <= self.limit else nbytes
+            if self.reserved_bytes + nbytes > self.limit:
+                raise HostMemoryUnavailable(
+                    f"{nbytes} more bytes would pass the host limit of {self.limit} bytes ({self.reserved_bytes} held)"
+                )
+        try:
+            return self.memory.allocate(size)
+        except HostMemoryUnavailable:
+            raise
+        except (RuntimeError, MemoryError) as error:  # e.g. "DefaultCPUAllocator: can't allocate memory"
+            raise HostMemoryUnavailable(f"{size} bytes of host memory could not be allocated ({error})") from None
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back for reuse."""
@@ -124,13 +164,18 @@ class HostPool:
 
     def end_step(self) -> None:
         """A training step ended: free the free buffers that no request used during it."""
+        self._free_unused(keep=self._used)
+        self._used = set()
+
+    def _free_unused(self, keep: set[int] | tuple) -> None:
+        """Free the free buffers whose ids are not in ``keep``."""
         kept = []
         for buffer in self._free:
-            if id(buffer) in self._used:
+            if id(buffer) in keep:
                 kept.append(buffer)
             else:
                 self.reserved_bytes -= self._held.pop(id(buffer))
-        self._free, self._used = kept, set()
+        self._free = kept
 
 
 class CopyEngine:

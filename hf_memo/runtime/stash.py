@@ -20,7 +20,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from hf_memo.profiler.placement import mark_owned
 from hf_memo.runtime.arena import Arena
-from hf_memo.runtime.offload import CopyEngine, HostPool
+from hf_memo.runtime.offload import CopyEngine, HostMemoryUnavailable, HostPool
 
 ALIGN = 512
 
@@ -183,11 +183,19 @@ class LayerStash:
             self.nbytes += _aligned(nbytes)
         if not self.swapped:
             return
+        try:
+            self._host = self._pool.acquire(self.nbytes, capacity=self._capacity)
+        except HostMemoryUnavailable as error:
+            self.swapped = False  # the stash stays on the device: a smaller swap set, the same gradients
+            self._pool.warn_once(
+                f"hf_memo: layer {self.index}'s activations stay on the device: {error}. Offloading continues with "
+                "the stashes the host has room for; MemoConfig.host_memory_limit sets the host's share"
+            )
+            return
         slot = self.index % 2
         staging = self._rounding.acquire(slot, self.nbytes, capacity=self._capacity)
         for whole, view in zip(self._storages, self._views(staging)):
             view.copy_(whole)
-        self._host = self._pool.acquire(self.nbytes, capacity=self._capacity)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
         self._return_host = weakref.finalize(self, self._pool.release, self._host)
         self._stored = self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes])
