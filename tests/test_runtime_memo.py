@@ -2,6 +2,7 @@ import contextlib
 import copy
 import gc
 import math
+import re
 import weakref
 
 import pytest
@@ -322,6 +323,10 @@ def test_a_budget_that_cannot_hold_the_layer_inputs_fails_before_the_step_naming
     assert raised.value.device_shortfall == input_bytes and raised.value.host_shortfall == 0
     assert "MemoConfig.device_memory_limit" in str(raised.value)
     assert hf_memo.memo_runtime(model).attention_calls == 0
+    fitting = int(re.search(r"about (\d+) tokens per step would fit", str(raised.value)).group(1))
+    assert 0 < fitting < 38
+    ids, labels = make_batch(1, fitting, seed=3)  # a step of that many tokens fits
+    model(input_ids=ids, labels=labels).loss.backward()
 
 
 def test_calibration_times_attention_through_the_layers_own_core():

@@ -323,9 +323,19 @@ class MemoRuntime:
                 min(measured.chunks, SOLVER_ALPHA_STEPS),
             )
         except PolicyDoesNotFit as error:
+            # The smallest stash is per token: the budgets hold about this share of the step's tokens.
+            shares = [
+                budget / (budget + short)
+                for budget, short in (
+                    (measured.device_budget, error.device_shortfall),
+                    (measured.host_budget, error.host_shortfall),
+                )
+                if short > 0
+            ]
+            fitting = int(tokens * max(0.0, min(shares, default=1.0)))
             raise PolicyDoesNotFit(
-                f"recompute='memo' at {tokens} tokens per step: {error} "
-                "(MemoConfig.device_memory_limit, MemoConfig.host_memory_limit)",
+                f"recompute='memo' at {tokens} tokens per step: {error}; about {fitting} tokens per step would fit "
+                "these budgets (MemoConfig.device_memory_limit, MemoConfig.host_memory_limit)",
                 error.device_shortfall,
                 error.host_shortfall,
             ) from None
