@@ -241,6 +241,18 @@ def test_resume_reuses_the_plan_and_a_new_shape_or_config_plans_again(tmp_path, 
     make_trainer(tmp_path, callbacks=[other], steps=1, dataset=TokenRows(seq_len=48)).train()
     assert other.plan_source == "planned" and len(plans) == 3
 
+    again = MemoCallback(MEMO.replace(offload_fraction=0.25), progress=False)  # the cache fits: reused
+    make_trainer(tmp_path, callbacks=[again], steps=1, dataset=TokenRows(seq_len=48)).train()
+    assert again.plan_source == "reused" and len(plans) == 3
+    wider = MemoCallback(MEMO.replace(offload_fraction=0.25), progress=False)  # another model config
+    model = build_model("llama", num_hidden_layers=4, intermediate_size=96)
+    make_trainer(tmp_path, model=model, callbacks=[wider], steps=1, dataset=TokenRows(seq_len=48)).train()
+    assert wider.plan_source == "planned" and len(plans) == 4
+    monkeypatch.setattr(memo_trainer, "world_size", lambda: 4)  # the same job on four processes
+    spread = MemoCallback(MEMO.replace(offload_fraction=0.25), progress=False)
+    make_trainer(tmp_path, model=model, callbacks=[spread], steps=1, dataset=TokenRows(seq_len=48)).train()
+    assert spread.plan_source == "planned" and len(plans) == 5
+
 
 def test_lora_training_matches_plain_peft_and_plans_with_the_adapters(tmp_path):
     def lora_model():

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
@@ -130,11 +131,17 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=_jsonable).encode()).hexdigest()[:16]
 
 
+def world_size() -> int:
+    """Processes of the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def plan_fit(model: nn.Module, config: MemoConfig, batch_size: int, seq_len: int) -> dict[str, Any]:
     """What a memory plan for ``model`` on ``(batch_size, seq_len)`` batches depends on (JSON values).
 
     The shape, digests of the model config, of the names of the trainable parameters and of the PEFT
-    adapters' configs, the parameter dtype and the hf_memo config.
+    adapters' configs, the parameter dtype, the hf_memo config and the number of processes (a shard's length
+    and the sharded parameters depend on it).
     """
     target = causal_lm_of(model)
     peft_config = getattr(model, "peft_config", None)
@@ -146,6 +153,7 @@ def plan_fit(model: nn.Module, config: MemoConfig, batch_size: int, seq_len: int
         "trainable": _digest(sorted(name for name, p in model.named_parameters() if p.requires_grad)),
         "adapters": None if peft_config is None else _digest({k: v.to_dict() for k, v in peft_config.items()}),
         "hf_memo_config": config.to_dict(),
+        "world_size": world_size(),
     }
     return json.loads(json.dumps(fit))  # as it reads back from the plan file
 
