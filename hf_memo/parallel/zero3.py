@@ -43,9 +43,9 @@ def zero3_expected(model: nn.Module) -> bool:
     """
     if is_partitioned(model):
         return True
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-            return True
+    launched = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if launched and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        return True
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     return is_deepspeed_zero3_enabled()
@@ -74,9 +74,7 @@ class Zero3Regions:
         """Register each region's parameters with its owner, once."""
         if self._registered:
             return
-        import deepspeed
-
-        register_external_parameter = deepspeed.zero.register_external_parameter
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
         for owner, members in self.regions:
             for param in _external_to(owner, members):
@@ -87,12 +85,11 @@ class Zero3Regions:
         """Remove the registrations made by :meth:`ensure`."""
         if not self._registered:
             return
-        import deepspeed
-
-        unregister_external_parameter = deepspeed.zero.unregister_external_parameter
+        from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
 
         for owner, param in self._registered:
-            unregister_external_parameter(owner, param)
+            if id(param) in getattr(owner, "_external_params", {}):  # (a deep copy's registry keeps the old ids)
+                unregister_external_parameter(owner, param)
         self._registered = []
 
     def loss(

@@ -21,6 +21,7 @@ from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.family import Family
@@ -238,6 +239,8 @@ def memo_layer_forward(
     params = trainable_params(layer)
     if not (hidden.requires_grad or params):
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
+    if sequence_parallel is None:
+        check_memo_not_under_deepspeed_ulysses()
     layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:

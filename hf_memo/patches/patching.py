@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.zero3 import Zero3Regions, head_forward, zero3_expected
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
@@ -57,6 +58,8 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
             f"'{family.model_type}'), got {type(model).__name__}"
         )
+    if config.recompute == "memo" and config.sequence_parallel_size == 1:
+        check_memo_not_under_deepspeed_ulysses()
     takeover = HFCheckpointingTakeover(config)
     if config.recompute != "none" and hf_checkpointing_enabled(model):
         takeover.log()
