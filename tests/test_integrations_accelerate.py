@@ -138,8 +138,22 @@ def test_deepspeed_config_asks_for_zero2_and_deepspeed_sequence_parallelism():
     args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as `accelerate launch` does
     _, env = prepare_deepspeed_cmd_env(args)
     assert (args.use_deepspeed, args.num_processes) == (True, 8)
-    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"  # hf_memo refuses ZeRO-3
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
     assert (env["PARALLELISM_CONFIG_SP_SIZE"], env["PARALLELISM_CONFIG_SP_BACKEND"]) == ("8", "deepspeed")
+
+
+def test_zero3_config_asks_for_zero3_with_zero_init_and_no_deepspeed_sequence_parallelism(monkeypatch):
+    from hf_memo.parallel.zero3 import zero3_expected
+
+    args, defaults, _ = _validated("deepspeed_zero3_sp.yaml")
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
+    _, env = prepare_deepspeed_cmd_env(args)
+    assert (args.use_deepspeed, args.num_processes) == (True, 8)
+    assert (env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], env["ACCELERATE_DEEPSPEED_ZERO3_INIT"]) == ("3", "true")
+    assert "PARALLELISM_CONFIG_SP_SIZE" not in env  # hf_memo's own sequence parallelism (attach) runs instead
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.setenv(name, env[name])
+    assert zero3_expected(build_model("llama"))  # what apply() registers the regions on, before DeepSpeed starts
 
 
 def _stub_accelerator(distributed_type=DistributedType.MULTI_CPU, processes=2, parallelism_config=None):

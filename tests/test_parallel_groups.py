@@ -52,3 +52,42 @@ def test_deepspeed_sequence_parallelism_configured_by_accelerate_launch_is_refus
         check_not_accelerate_deepspeed_sp(4)
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "1")
     check_not_accelerate_deepspeed_sp(4)
+
+
+MEMO_UNDER_ULYSSES = "MemoConfig.recompute='memo' computes attention itself, so DeepSpeed's Ulysses"
+
+
+def test_memo_under_deepspeed_ulysses_configured_by_accelerate_launch_is_refused_at_apply(monkeypatch):
+    import hf_memo
+    from tests.conftest import build_model
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
+    with pytest.raises(ValueError, match=f"{MEMO_UNDER_ULYSSES}.*hf_memo's own sequence parallelism"):
+        hf_memo.apply(build_model("llama"), recompute="memo")
+    hf_memo.apply(build_model("llama"), recompute="full")  # its attention calls go through DeepSpeed's
+
+
+def test_memo_refuses_a_step_once_deepspeed_ulysses_has_replaced_an_attention_function():
+    """What ``UlyssesSPAttentionHF.register_with_transformers`` does when the Trainer prepares the model, after
+    ``apply``: a function of DeepSpeed's sequence-parallel module stands in transformers' registry."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import hf_memo
+    from tests.conftest import build_model, make_batch
+
+    model = hf_memo.apply(build_model("llama"), recompute="memo")
+    ids, labels = make_batch(1, 9)
+    model(input_ids=ids, labels=labels).loss.backward()  # before: trains
+
+    def uattn_wrapper(*args, **kwargs):
+        raise AssertionError("never called: the memo executor computes attention itself")
+
+    uattn_wrapper.__module__ = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+    AttentionInterface.register("hf_memo_test_ulysses", uattn_wrapper)
+    try:
+        with pytest.raises(ValueError, match=MEMO_UNDER_ULYSSES):
+            model(input_ids=ids, labels=labels)
+    finally:
+        del ALL_ATTENTION_FUNCTIONS._global_mapping["hf_memo_test_ulysses"]

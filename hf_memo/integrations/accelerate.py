@@ -3,8 +3,8 @@
 With ``MemoConfig(sequence_parallel_size=sp)`` the world of ``accelerator.num_processes`` ranks is
 ``world / sp`` data-parallel replicas of ``sp`` ranks each. Every rank of a replica must see the same
 batches (the model cuts them along the sequence itself), so data loaders are split over the replicas
-only. Gradients are averaged over the whole world by DDP (or DeepSpeed ZeRO stage 1 or 2 used for
-data parallelism; stage 3 is refused, see :mod:`hf_memo.zero3`), which the model's loss accounts for::
+only. Gradients are averaged over the whole world by DDP or DeepSpeed ZeRO (any stage; under stage 3 see
+:mod:`hf_memo.parallel.zero3`), which the model's loss accounts for::
 
     accelerator = Accelerator()
     model = hf_memo.apply(model, sequence_parallel_size=4)
@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader
 
 from hf_memo.parallel.groups import SequenceParallelGroups, sequence_parallel_groups
 from hf_memo.patches import applied_config
-from hf_memo.zero3 import ALTERNATIVES
 
 
 def _check_no_deepspeed_sequence_parallelism(accelerator: Accelerator, size: int) -> None:
@@ -42,16 +41,6 @@ def _check_no_deepspeed_sequence_parallelism(accelerator: Accelerator, size: int
             f"MemoConfig.sequence_parallel_size={size} and Accelerate's ParallelismConfig(sp_size={config.sp_size}, "
             f"sp_backend={config.sp_backend!r}) would both split the sequence; use one: hf_memo.apply(model, "
             "sequence_parallel_size=1) with Accelerate's DeepSpeed sequence parallelism, or hf_memo's without sp_size"
-        )
-
-
-def _check_no_zero3(accelerator: Accelerator) -> None:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        raise ValueError(
-            "hf_memo does not support DeepSpeed ZeRO stage 3 (the Accelerator's DeepSpeedPlugin has zero_stage=3): "
-            f"its parameters are shape [0] outside their gather, and hf_memo recomputes with them in backward; "
-            f"{ALTERNATIVES}"
         )
 
 
@@ -109,8 +98,7 @@ def attach(accelerator: Accelerator, model: nn.Module) -> SequenceParallelGroups
 
     Raises:
         ValueError: ``model`` has no sequence parallelism applied, the accelerator is not distributed,
-            the world size is not a multiple of the degree, Accelerate's own sequence parallelism is on,
-            or its DeepSpeed plugin uses ZeRO stage 3.
+            the world size is not a multiple of the degree, or Accelerate's own sequence parallelism is on.
     """
     size = sequence_parallel_size_of(model)
     if size == 1:
@@ -119,7 +107,6 @@ def attach(accelerator: Accelerator, model: nn.Module) -> SequenceParallelGroups
             "hf_memo.apply(model, sequence_parallel_size=N) first"
         )
     _check_no_deepspeed_sequence_parallelism(accelerator, size)
-    _check_no_zero3(accelerator)
     if accelerator.distributed_type == DistributedType.NO or accelerator.num_processes == 1:
         raise ValueError(
             f"MemoConfig.sequence_parallel_size={size} needs a distributed Accelerator, but this one runs "

@@ -74,7 +74,6 @@ from hf_memo.integrations.flops import FlopModel, peak_flops_of, token_counts
 from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 from hf_memo.patches.planning import plan_training_step
 from hf_memo.planner.plan import MemoryPlan
-from hf_memo.zero3 import check_not_zero3
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +286,6 @@ class MemoCallback(TrainerCallback):
                 "config to train with the model's."
             )
         config = applied or self.config or MemoConfig()
-        check_not_zero3(model)
         check_training_arguments(args, config)
         if applied is None:
             apply(model, config)

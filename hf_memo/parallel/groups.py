@@ -57,6 +57,35 @@ def check_not_accelerate_deepspeed_sp(size: int) -> None:
         )
 
 
+def deepspeed_ulysses_attention() -> bool:
+    """Whether DeepSpeed's Ulysses (``UlyssesSPAttentionHF.register_with_transformers``, what Accelerate's
+    ``ParallelismConfig(sp_backend="deepspeed")`` calls) has replaced one of transformers' attention functions in
+    this process, or ``accelerate launch`` configured it (``parallelism_config_sp_size > 1``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    launched_size = int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1") or 1)
+    if launched_size > 1 and os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed") == "deepspeed":
+        return True
+    return any(
+        getattr(ALL_ATTENTION_FUNCTIONS[name], "__module__", "").startswith("deepspeed.runtime.sequence_parallel")
+        for name in ALL_ATTENTION_FUNCTIONS.valid_keys()
+    )
+
+
+def check_memo_not_under_deepspeed_ulysses() -> None:
+    """Refuse ``recompute="memo"`` under DeepSpeed's Ulysses: the memo executor runs attention itself, so
+    DeepSpeed's all-to-all would never see it and each rank would attend within its own shard only."""
+    if deepspeed_ulysses_attention():
+        raise ValueError(
+            "MemoConfig.recompute='memo' computes attention itself, so DeepSpeed's Ulysses sequence parallelism "
+            "(Accelerate's ParallelismConfig(sp_backend='deepspeed', sp_size=N)) would not exchange it and each rank "
+            "would attend within its own shard. Use one: hf_memo's own sequence parallelism with the memo executor "
+            "(hf_memo.apply(model, recompute='memo', sequence_parallel_size=N) and "
+            "hf_memo.integrations.accelerate.attach, without parallelism_config sp_size), or keep DeepSpeed's with "
+            "MemoConfig.recompute='none', 'full' or 'selective', whose attention calls go through DeepSpeed's"
+        )
+
+
 def sequence_parallel_groups(size: int) -> SequenceParallelGroups:
     """The sequence-parallel groups of degree ``size`` over the default process group (created once, cached).
 

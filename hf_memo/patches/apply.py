@@ -11,7 +11,6 @@ from hf_memo.config import MemoConfig
 from hf_memo.patches.patching import patch_model, patch_state, unpatch_model
 from hf_memo.patches.registry import family_for
 from hf_memo.runtime.memo import MemoRuntime
-from hf_memo.zero3 import check_not_zero3
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -40,7 +39,6 @@ def apply(model: ModelT, config: MemoConfig | None = None, **overrides: Any) -> 
     Parameters, buffers and the state dict are untouched, so checkpoints stay plain Transformers.
     """
     target = causal_lm_of(model)
-    check_not_zero3(target)
     family = family_for(target.config.model_type)
     state = patch_state(target)
     base = config if config is not None else (state.config if state is not None else MemoConfig())

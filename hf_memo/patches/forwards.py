@@ -21,7 +21,9 @@ from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
+from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.family import Family
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.packing import describe_training_batch
@@ -30,7 +32,6 @@ from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.varlen_attention import attention_core_for
-from hf_memo.zero3 import check_not_zero3
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -88,6 +89,7 @@ def causal_lm_forward(
     sequence_parallel: SequenceParallelLM | None,
     runtime: MemoRuntime | None,
     deferral: FinalNormDeferral,
+    zero3: Zero3Regions,
     model: PreTrainedModel,
     inner: Callable,
     *args: Any,
@@ -115,7 +117,8 @@ def causal_lm_forward(
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     if labels is None or not _keeps_all_logits(logits_to_keep):
         return _original_forward(model, sequence_parallel, inner, args, kwargs)
-    check_not_zero3(model)  # DeepSpeed may have partitioned the parameters after apply()
+    if is_partitioned(model):  # DeepSpeed ZeRO-3: each layer and the loss are gathered whole, once
+        zero3.ensure()
     if "use_cache" in signature.parameters:
         arguments["use_cache"] = False  # a training step builds no cache (only then are packed samples detected)
     arguments = describe_training_batch(model, arguments, labels, extra, per_sample=sequence_parallel is not None)
@@ -138,10 +141,11 @@ def causal_lm_forward(
     chunks = resolve_chunks(
         config.lm_head_chunks, tokens, vocab_size, hidden.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
     )
-    with head_input_offloaded(runtime, hidden) as head_input:
-        loss = causal_lm_loss(
-            head_input,
-            lambda rows: head(norm(rows)),
+
+    def compute(head_forward: Callable, rows: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(
+            rows,
+            lambda chunk: head_forward(norm(chunk)),
             trainable_params(norm) + trainable_params(head),
             labels,
             chunks,
@@ -149,6 +153,9 @@ def causal_lm_forward(
             num_items_in_batch=extra.get("num_items_in_batch"),
             shift_labels=extra.get("shift_labels"),
         )
+
+    with head_input_offloaded(runtime, hidden) as head_input:
+        loss = zero3.loss(head, head_input, compute)
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
     fields = family.output_class.__dataclass_fields__
@@ -158,12 +165,16 @@ def causal_lm_forward(
     return result if return_dict else result.to_tuple()
 
 
-def backbone_forward(model: PreTrainedModel, backbone: nn.Module, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+def backbone_forward(
+    model: PreTrainedModel, zero3: Zero3Regions, backbone: nn.Module, inner: Callable, *args: Any, **kwargs: Any
+) -> Any:
     """The backbone's forward. A training forward that did not come through :func:`causal_lm_forward`'s loss (a
     trainer's own LM head, e.g. TRL's ``fused_lm_head``, or a call without labels) gets its batch described here:
     packed and padded rows attend per sample in every mode, and no cache is built."""
     if not backbone.training or LAYOUT_KEYWORD in kwargs:
         return inner(*args, **kwargs)
+    if is_partitioned(backbone):
+        zero3.ensure()
     arguments = _bound_arguments(inner, args, kwargs)
     if "use_cache" in inspect.signature(inner).parameters:
         arguments["use_cache"] = False
@@ -228,6 +239,8 @@ def memo_layer_forward(
     params = trainable_params(layer)
     if not (hidden.requires_grad or params):
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
+    if sequence_parallel is None:
+        check_memo_not_under_deepspeed_ulysses()
     layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:

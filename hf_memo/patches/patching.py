@@ -9,6 +9,8 @@ from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
+from hf_memo.parallel.zero3 import Zero3Regions, head_forward, zero3_expected
 from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     FinalNormDeferral,
@@ -35,6 +37,7 @@ class PatchState:
     config: MemoConfig
     family: Family
     record: PatchRecord
+    zero3: Zero3Regions
     runtime: MemoRuntime | None = None
 
 
@@ -55,6 +58,8 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
             f"'{family.model_type}'), got {type(model).__name__}"
         )
+    if config.recompute == "memo" and config.sequence_parallel_size == 1:
+        check_memo_not_under_deepspeed_ulysses()
     takeover = HFCheckpointingTakeover(config)
     if config.recompute != "none" and hf_checkpointing_enabled(model):
         takeover.log()
@@ -81,15 +86,23 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
             record.install_forward(layer, partial(checkpointed_layer_forward, config, takeover))
     backbone = getattr(model, model.base_model_prefix)
     deferral = FinalNormDeferral()
-    record.install_forward(getattr(backbone, family.final_norm), partial(final_norm_forward, deferral))
+    norm, head = getattr(backbone, family.final_norm), model.get_output_embeddings()
+    record.install_forward(norm, partial(final_norm_forward, deferral))
+    zero3 = Zero3Regions([(layer, [layer]) for layer in layers] + [(head, [head, norm])], head)
+    record.install_forward(head, partial(head_forward, zero3.head_region))
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
-        record.install_forward(backbone, partial(backbone_forward, model))
-    record.install_forward(model, partial(causal_lm_forward, config, family, sequence_parallel, runtime, deferral))
-    model.__dict__[_STATE_ATTR] = PatchState(config, family, record, runtime)
+        record.install_forward(backbone, partial(backbone_forward, model, zero3))
+    record.install_forward(
+        model, partial(causal_lm_forward, config, family, sequence_parallel, runtime, deferral, zero3)
+    )
+    if zero3_expected(model):  # registered before DeepSpeed records its first trace of the model
+        zero3.ensure()
+    model.__dict__[_STATE_ATTR] = PatchState(config, family, record, zero3, runtime)
 
 
 def unpatch_model(model: PreTrainedModel) -> None:
     """Undo :func:`patch_model`; a model that is not patched is left as it is."""
     state = model.__dict__.pop(_STATE_ATTR, None)
     if state is not None:
+        state.zero3.undo()
         state.record.undo()
