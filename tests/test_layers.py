@@ -31,19 +31,24 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every ``hf_memo`` module ``path`` imports, anywhere in it."""
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Every ``hf_memo`` module ``path`` imports, anywhere in it (``from package import submodule`` imports the
+    submodule, not the package's ``__init__``)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "hf_memo")
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "hf_memo":
-            found.add(node.module)
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
     return found
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module_name(path): _imports(path) for path in PACKAGE.rglob("*.py")}
+    paths = list(PACKAGE.rglob("*.py"))
+    modules = {_module_name(path) for path in paths}
+    return {_module_name(path): _imports(path, modules) for path in paths}
 
 
 def _layer(module: str) -> int | None:

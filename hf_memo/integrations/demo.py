@@ -30,8 +30,9 @@ from transformers import (
 from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
 
-import hf_memo
+from hf_memo.config import MemoConfig
 from hf_memo.integrations.trainer import ALPHA, HOST_OFFLOAD, TOKENS_PER_SECOND, MemoCallback
+from hf_memo.patches.apply import apply
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.fake_model import fake_causal_lm
 from hf_memo.profiler.plot import plot_timelines
@@ -72,9 +73,9 @@ def demo_config(vocab_size: int, seq_len: int) -> LlamaConfig:
     )
 
 
-def demo_memo_config() -> hf_memo.MemoConfig:
+def demo_memo_config() -> MemoConfig:
     """The memo executor, half of the tokens offloaded, a greedy memory plan (seconds); chunks even at demo lengths."""
-    return hf_memo.MemoConfig(recompute="memo", offload_fraction=0.5, planner="greedy", min_chunk_tokens=128)
+    return MemoConfig(recompute="memo", offload_fraction=0.5, planner="greedy", min_chunk_tokens=128)
 
 
 def packed_rows(records: list[dict], tokenizer: PreTrainedTokenizerBase, seq_len: int) -> tuple[torch.Tensor, ...]:
@@ -173,7 +174,7 @@ def step_trace(config: LlamaConfig, seq_len: int, memo: bool) -> AllocationTrace
     model, session = fake_causal_lm(config, torch.float32)
     with session:
         if memo:
-            hf_memo.apply(model, demo_memo_config().replace(planner="off", host_memory_limit=2**50))
+            apply(model, demo_memo_config().replace(planner="off", host_memory_limit=2**50))
         return trace_training_step(model, 1, seq_len)
 
 

@@ -71,8 +71,8 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
 from hf_memo.config import MemoConfig
 from hf_memo.integrations.flops import FlopModel, peak_flops_of, token_counts
+from hf_memo.integrations.planning import plan_training_step
 from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
-from hf_memo.patches.planning import plan_training_step
 from hf_memo.planner.plan import MemoryPlan
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ from hf_memo.patches.classes import uninstall_from_class
 from hf_memo.patches.gpt2 import apply_hf_memo_to_gpt2
 from hf_memo.patches.llama import apply_hf_memo_to_llama
 from hf_memo.patches.mistral import apply_hf_memo_to_mistral
-from hf_memo.patches.planning import plan_training_step
 from hf_memo.patches.qwen2 import apply_hf_memo_to_qwen2
 from hf_memo.patches.qwen3 import apply_hf_memo_to_qwen3
 from hf_memo.patches.registry import FAMILIES, family_for, supported_model_types
@@ -22,7 +21,6 @@ __all__ = [
     "causal_lm_of",
     "family_for",
     "memo_runtime",
-    "plan_training_step",
     "revert",
     "supported_model_types",
     "uninstall_from_class",

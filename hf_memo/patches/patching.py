@@ -23,9 +23,9 @@ from hf_memo.patches.forwards import (
 )
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
-from hf_memo.patches.planning import plan_training_step
 from hf_memo.patches.sample_attention import install_sample_attention
 from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.runtime.model_planner import plan_patched_model
 
 _STATE_ATTR = "_hf_memo_patch"
 
@@ -70,7 +70,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
     runtime = None
     if config.recompute == "memo":
-        planner = partial(plan_training_step, model, progress=False) if config.planner != "off" else None
+        planner = partial(plan_patched_model, model) if config.planner != "off" else None
         runtime = MemoRuntime(config, len(layers), planner, model.parameters)
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
         width = family.intermediate_size(model.config.get_text_config())

@@ -7,11 +7,13 @@ import copy
 import torch
 from torch import nn
 
+from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.profiler.fake_model import fake_causal_lm
 from hf_memo.profiler.step import trace_training_step
 from hf_memo.runtime.memo import OffloadDecision
+from hf_memo.runtime.model_planner import register_model_planner
 
 
 def plan_training_step(
@@ -39,8 +41,6 @@ def plan_training_step(
         progress: show the planner's progress bar.
         offload: the decision to plan for; by default the one ``model``'s runtime made for the shape.
     """
-    from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
-
     config = applied_config(model)
     if config is None:
         raise ValueError("plan_training_step needs a model patched by hf_memo.apply")
@@ -72,3 +72,6 @@ def plan_training_step(
     if made_for is not None:
         plan.meta["offload"] = made_for.to_dict()
     return plan
+
+
+register_model_planner(plan_training_step)  # the memo runtime plans a patched model's steps with it

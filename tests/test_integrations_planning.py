@@ -6,8 +6,8 @@ from peft import LoraConfig, get_peft_model
 from torch._subclasses.fake_tensor import is_fake
 
 import hf_memo
+from hf_memo.integrations.planning import plan_training_step
 from hf_memo.patches.apply import memo_runtime
-from hf_memo.patches.planning import plan_training_step
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime import memo
 from hf_memo.runtime.calibration import LayerForward
