@@ -1,5 +1,6 @@
 """hf_memo under PyTorch FSDP on 2 gloo processes: FSDP2 trains exactly like one unpatched process; FSDP1 with
-``use_orig_params=False`` (parameters flattened out of the modules) is refused with a clear error."""
+``use_orig_params=False`` (parameters flattened out of the modules) is refused with a clear error on every rank,
+before any layer's collective (the Trainer callback: before any collective at all)."""
 
 from __future__ import annotations
 
@@ -40,14 +41,49 @@ def _fsdp2_worker(rank: int, world_size: int) -> dict:
     return results
 
 
-def _fsdp1_worker(rank: int, world_size: int) -> str:
+class _AllGathers:
+    """Counts FSDP1's all-gathers (``torch.distributed.all_gather_into_tensor``) while active."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __enter__(self) -> _AllGathers:
+        self._original = torch.distributed.all_gather_into_tensor
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._original(*args, **kwargs)
+
+        torch.distributed.all_gather_into_tensor = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.distributed.all_gather_into_tensor = self._original
+
+
+def _fsdp1_worker(rank: int, world_size: int) -> dict:
+    """FSDP1 without use_orig_params, every layer a unit of its own and the model the root: the callback refuses it
+    before any all-gather; a forward refuses it at the patched model's entry, after only the root's all-gather."""
+    from types import SimpleNamespace
+
+    from hf_memo import MemoCallback
+
     torch.manual_seed(0)
-    model = _patched(build_model("llama", num_hidden_layers=2), "none", None).train()
+    model = _patched(build_model("llama", num_hidden_layers=2), "memo", 0.5).train()
+    for index, layer in enumerate(model.model.layers):
+        model.model.layers[index] = FullyShardedDataParallel(
+            layer, use_orig_params=False, device_id=torch.device("cpu")
+        )
     model = FullyShardedDataParallel(model, use_orig_params=False, device_id=torch.device("cpu"))
     ids = _batch(rank)
-    with pytest.raises(ValueError, match="use_orig_params=True") as error:
+    messages = {}
+    with _AllGathers() as gathers, pytest.raises(ValueError, match="use_orig_params=True") as error:
+        MemoCallback(progress=False).on_train_begin(SimpleNamespace(), None, None, model=model)
+    messages["callback"] = (str(error.value), gathers.count)
+    with _AllGathers() as gathers, pytest.raises(ValueError, match="use_orig_params=True") as error:
         model(input_ids=ids, labels=ids)
-    return str(error.value)
+    messages["forward"] = (str(error.value), gathers.count)
+    return messages
 
 
 def test_fsdp2_gradients_equal_one_unpatched_process_in_every_mode():
@@ -63,6 +99,8 @@ def test_fsdp2_gradients_equal_one_unpatched_process_in_every_mode():
             torch.testing.assert_close(grad, want[name], rtol=1e-8, atol=1e-11, msg=f"{recompute}: {name}")
 
 
-def test_fsdp1_with_flattened_parameters_is_refused_naming_use_orig_params():
-    messages = run_processes(_fsdp1_worker, 2)
-    assert all("FSDP2" in message for message in messages)
+def test_fsdp1_with_flattened_parameters_is_refused_on_every_rank_before_the_layers_collectives():
+    for messages in run_processes(_fsdp1_worker, 2):
+        assert "the Trainer's model wrapped by FSDP1" in messages["callback"][0] and messages["callback"][1] == 0
+        assert "parameters flattened at a training forward" in messages["forward"][0]
+        assert messages["forward"][1] <= 1  # the root unit's own all-gather, before the patched forward runs

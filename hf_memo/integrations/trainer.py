@@ -72,6 +72,7 @@ from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from hf_memo.config import MemoConfig
 from hf_memo.integrations.flops import FlopModel, peak_flops_of, token_counts
 from hf_memo.integrations.planning import plan_training_step
+from hf_memo.parallel.fsdp import check_parameters_whole
 from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 from hf_memo.planner.plan import MemoryPlan
 
@@ -213,12 +214,16 @@ class MemoCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: nn.Module = None, **kwargs
     ) -> None:
         self._run_before_reporters()
+        if model is not None:  # the Trainer's model, wrapped for its engine: refused before any step starts
+            check_parameters_whole(model, "the Trainer's model wrapped by FSDP1")
         self._prepare(args, model)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: nn.Module = None, **kwargs
     ) -> None:
         self._run_before_reporters()
+        if model is not None:  # the Trainer's model, wrapped for its engine: refused before any step starts
+            check_parameters_whole(model, "the Trainer's model wrapped by FSDP1")
         self._prepare(args, model)
         self._start(args, model)
 

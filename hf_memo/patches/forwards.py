@@ -21,6 +21,7 @@ from hf_memo.minseq.chunking import chunk_bounds, resolve_chunks
 from hf_memo.minseq.lm_head import causal_lm_loss
 from hf_memo.minseq.mlp import minseq_mlp
 from hf_memo.parallel.causal_lm import SequenceParallelLM
+from hf_memo.parallel.fsdp import check_parameters_whole
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
@@ -38,18 +39,12 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of ``module`` that currently require a gradient.
 
     Raises:
-        ValueError: ``module`` has no parameters at all: a wrapper flattened them away (FSDP1 with
-            ``use_orig_params=False`` holds them in one flat parameter outside the module), so hf_memo's
-            autograd functions could not return their gradients.
+        ValueError: ``module`` has no parameters at all: a wrapper flattened them away (see
+            :mod:`hf_memo.parallel.fsdp`), so hf_memo's autograd functions could not return their gradients.
     """
     params = list(module.parameters())
     if not params:
-        raise ValueError(
-            f"hf_memo found no parameters in {type(module).__name__} during a training forward: FSDP (version 1) "
-            "with use_orig_params=False flattens them into one parameter outside the module, and their gradients "
-            "would be lost. Use FullyShardedDataParallel(..., use_orig_params=True) (Accelerate: "
-            "fsdp_use_orig_params: true), or FSDP2 (torch.distributed.fsdp.fully_shard)"
-        )
+        check_parameters_whole(module, f"no parameters in {type(module).__name__} during a training forward")
     return [p for p in params if p.requires_grad]
 
 
@@ -109,6 +104,8 @@ def causal_lm_forward(
     """
     if not model.training:  # evaluation and generate(): no argument binding, so torch.compile traces it whole
         return _original_forward(model, sequence_parallel, inner, args, kwargs)
+    # on every rank, before the first collective of the model's own (the MLP and layer calls would meet it later)
+    check_parameters_whole(model, f"{type(model).__name__}'s parameters flattened at a training forward")
     signature = inspect.signature(inner)
     arguments = dict(signature.bind(*args, **kwargs).arguments)
     var_keyword = next(n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD)
