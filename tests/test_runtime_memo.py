@@ -480,3 +480,12 @@ def test_a_host_limit_smaller_than_the_swap_set_keeps_the_rest_on_the_device_wit
     for _ in range(2):
         reference(input_ids=ids, labels=labels).loss.backward()
     assert_same_grads(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_gradients_to_come_count_this_ranks_partition_of_a_zero3_parameter():
+    whole = torch.nn.Parameter(torch.zeros(6))
+    partitioned = torch.nn.Parameter(torch.empty(0))  # ZeRO-3's placeholder outside its module's call
+    partitioned.ds_tensor = torch.zeros(10)  # this rank's partition
+    frozen = torch.nn.Parameter(torch.zeros(100), requires_grad=False)
+    runtime = MemoRuntime(MemoConfig(recompute="memo"), 1, parameters=lambda: [whole, partitioned, frozen])
+    assert runtime._gradients_to_come(torch.device("cpu")) == (6 + 10) * 4

@@ -394,7 +394,9 @@ class MemoRuntime:
             return 0
         total = 0
         for param in self._parameters():
-            local = getattr(param, "_local_tensor", param)  # a DTensor's shard (FSDP2)
+            # this rank's partition: ZeRO-3's (the parameter itself is a [0] placeholder), a DTensor's shard (FSDP2)
+            local = getattr(param, "ds_tensor", None)
+            local = getattr(param, "_local_tensor", param) if local is None else local
             if param.requires_grad and param.grad is None and local.device == device:
                 total += local.numel() * local.element_size()
         return total
