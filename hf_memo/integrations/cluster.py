@@ -105,7 +105,8 @@ def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_tempora
     n, zero = cluster.num_gpus, cluster.zero
     by_category = dict(device.by_category)
     if zero == 3:
-        by_category["parameter"] = math.ceil(states.parameters / n) + 2 * states.largest_layer_parameters
+        gathered = math.ceil(states.parameters / n) + 2 * states.largest_layer_parameters
+        by_category["parameter"] = min(by_category["parameter"], gathered)
     gradient_share = device.by_category["gradient"]
     host = 0
     if zero >= 2:  # reduced to their owner as each layer's backward ends: one layer's in flight

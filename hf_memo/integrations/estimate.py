@@ -205,6 +205,17 @@ def _longest_fitting(usage: Callable[[int], float], start: int, limit: int) -> i
     return longest
 
 
+_CLOSED_FORMS: dict[tuple, Any] = {}  # this process's closed forms: a repeated question profiles nothing
+
+
+def _cached(key: tuple, build: Callable[[], Any]) -> Any:
+    """The closed form (or memo model) for ``key``, built once per process. Profiles are deterministic and each
+    starts from a fresh model, so reusing one changes no answer; it only skips the profiling."""
+    if key not in _CLOSED_FORMS:
+        _CLOSED_FORMS[key] = build()
+    return _CLOSED_FORMS[key]
+
+
 class _Job:
     """What every mode of one question shares: the model, the ranks, the budgets and the profilers' settings."""
 
@@ -227,6 +238,19 @@ class _Job:
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
         self.dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
         self._states: ModelStates | None = None
+
+    def key(self, mode: str) -> tuple:
+        """What a mode's closed form depends on (not the budgets: profiles have no memory limit)."""
+        return (
+            self.config.to_json_string(),
+            mode,
+            self.trainable,
+            self.batch_size,
+            self.dtype_name,
+            self.optimizer,
+            self.cluster,
+            self.gpu,
+        )
 
     def profiler(self, mode: str, configure: Callable[[nn.Module], None]) -> StepProfiler:
         """A fresh-model profiler of ``mode`` whose model ``configure`` sets up (after LoRA, if asked)."""
@@ -298,7 +322,7 @@ def _mode_estimate(job: _Job, mode: str, seq_len: int, search: bool) -> tuple[Mo
             return job.profiler(mode, lambda model: spec.configure_chunked(model, job.budget.host, chunks))
         return job.profiler(mode, lambda model: spec.configure(model, job.budget.host))
 
-    fitted = FittedFootprint(profiler_for, spec.chunking, job.search_limit)
+    fitted = _cached(job.key(mode), lambda: FittedFootprint(profiler_for, spec.chunking, job.search_limit))
     model = profiler_for(("auto", "auto")).model(fitted.depths[0])
     adjust, cluster = job.adjust(model), job.cluster
 
@@ -387,7 +411,10 @@ def memo_model(job: _Job, search_limit: int) -> MemoModel:
     probe = profiler_for(0.0, ("auto", "auto"))
     adjust = job.adjust(probe.model(MODES["memo"].profile_layers[0]))
     k = job.cluster.sequence_parallel
-    return MemoModel(profiler_for, job.batch_size, job.gpu, allow_x_only, search_limit, k, adjust)
+    return _cached(
+        job.key("memo"),
+        lambda: MemoModel(profiler_for, job.batch_size, job.gpu, allow_x_only, search_limit, k, adjust),
+    )
 
 
 def estimate(
