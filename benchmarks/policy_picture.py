@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from policy_grid import profilers
+import torch
 
-from hf_memo.integrations.memo_estimate import DEFAULT_GPU, MemoModel, gpu_of
+from hf_memo.integrations.fitted import FittedFootprint
+from hf_memo.integrations.memo_estimate import DEFAULT_GPU, Budget, MemoModel, gpu_of
+from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
+from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 
 from common import add_out_option, results_folder, tiny_llama
@@ -38,6 +41,15 @@ def curves(per_layer_device: list[float], per_layer_host: list[float], base: flo
     return [v / GiB for v in dev_curve], [v / GiB for v in host_curve]
 
 
+def _profiler(config, configure, mode: str) -> StepProfiler:
+    def prepare(model, session):
+        model = with_lora(model, session)
+        configure(model)
+        return model
+
+    return StepProfiler(config, prepare, torch.bfloat16, profile_layers=MODES[mode].profile_layers, fresh=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Llama, for a smoke run")
@@ -49,9 +61,17 @@ def main() -> None:
     unit = 2**20 if args.tiny else GiB
     gpu_bytes, host_bytes = 139 * unit, 128 * unit
     seq_len = args.seq_len or (4096 if args.tiny else 262144)
-    minseq, memo_profiler = profilers(config, "lora")
-    memo = MemoModel(memo_profiler, 1, gpu_of(DEFAULT_GPU), allow_x_only=True)
-    choice = memo.choose(seq_len, gpu_bytes, host_bytes)
+    minseq = FittedFootprint(
+        lambda chunks: _profiler(config, lambda m: MODES["minseq"].configure_chunked(m, None, chunks), "minseq"),
+        "tokens",
+    )
+    memo = MemoModel(
+        lambda fraction, chunks: _profiler(config, memo_with_offload(fraction, chunks), "memo"),
+        1,
+        gpu_of(DEFAULT_GPU),
+        allow_x_only=True,
+    )
+    choice = memo.choose(seq_len, Budget(gpu_bytes, host_bytes))
     profile = memo.profile(seq_len)
     n, costs = memo.layers, profile.costs
     minseq_peak = minseq.footprint(seq_len).device.total

@@ -32,7 +32,7 @@ def result(config_path):
 def test_modes_side_by_side_with_the_longest_sequence_that_fits(result):
     vanilla, checkpointing, minseq = (result.modes[m] for m in ("vanilla", "hf-checkpointing", "minseq"))
     assert vanilla.footprint.device.total > checkpointing.footprint.device.total > minseq.footprint.device.total
-    assert "extrapolated linearly in layers" in vanilla.footprint.method
+    assert "closed form fitted to 4 fresh fake-tensor profiles" in vanilla.footprint.method
     for mode in (vanilla, checkpointing, minseq):
         assert mode.fits == (mode.footprint.device.total <= 24 * MiB)
         assert mode.footprint.host.total == 0
@@ -69,7 +69,7 @@ def test_models_configs_and_lora_are_accepted():
     by_model = estimate(model, 512, modes=["vanilla"], search=False, progress=False)
     by_config = estimate(config, 512, modes=["vanilla"], search=False, progress=False)
     assert by_model.modes["vanilla"].footprint == by_config.modes["vanilla"].footprint
-    assert "all 2 layers" in by_config.modes["vanilla"].footprint.method
+    assert "2 fresh fake-tensor profiles (2,048 and 4,096 tokens)" in by_config.modes["vanilla"].footprint.method
     lora = estimate(config, 512, modes=["vanilla"], trainable="lora", search=False, progress=False)
     full, adapted = by_config.modes["vanilla"].footprint.device, lora.modes["vanilla"].footprint.device
     assert adapted.by_category["parameter"] > full.by_category["parameter"]  # base weights + adapters
@@ -106,7 +106,7 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
     assert cli.main(argv + ["--modes", "vanilla,minseq"]) == 0
     table = capsys.readouterr().out
     assert "vanilla" in table and "minseq" in table and "hf-checkpointing" not in table
-    for label in ("peak device memory", "activations", "optimizer state", "longest sequence", "Method: profiled 2"):
+    for label in ("peak device memory", "activations", "optimizer state", "longest sequence", "closed form fitted to"):
         assert label in table
     traces, plot = tmp_path / "traces", tmp_path / "timeline.png"
     assert cli.main(argv + ["--json", "--no-search", "--trace-dir", str(traces), "--plot", str(plot)]) == 0
@@ -135,6 +135,11 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
         (["--batch", "0"], "--batch must be an integer >= 1"),
         (["--trainable", "half"], "--trainable must be one of full, lora"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, none"),
+        (["--zero", "4"], "--zero must be one of 0, 1, 2, 3, got '4'"),
+        (["--num-gpus", "0"], "--num-gpus must be an integer >= 1"),
+        (["--sequence-parallel", "3"], "--sequence-parallel must divide --num-gpus (1), got '3'"),
+        (["--gpus-per-node", "x"], "--gpus-per-node must be an integer >= 1"),
+        (["--pinned-memory", "lots"], "--pinned-memory: expected a size"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(capsys, extra, message):
@@ -163,3 +168,19 @@ def test_the_command_exits_2_without_a_traceback():
     assert done.stderr.splitlines() == [
         "hf-memo estimate: error: --seq-len: expected a token count such as '4096', '128k' or '1M', got 'eighty'"
     ]
+
+
+def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
+    from hf_memo.integrations.cluster import Cluster
+
+    one = estimate(config_path, 8192, gpu_memory=24 * MiB, modes=["minseq"], search=False, progress=False)
+    cluster = Cluster(num_gpus=8, sequence_parallel=8, zero=3, offload_optimizer=True)
+    eight = estimate(
+        config_path, 8192, 24 * MiB, host_memory=64 * MiB, modes=["minseq"], cluster=cluster, progress=False
+    )
+    single, rank = one.modes["minseq"].footprint.device.by_category, eight.modes["minseq"].footprint.device.by_category
+    assert rank["parameter"] < single["parameter"] and rank["optimizer"] == 0 < single["optimizer"]
+    assert rank["activation"] < single["activation"]  # S / 8 tokens per rank
+    assert eight.modes["minseq"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
+    assert eight.modes["minseq"].binding in ("device", "host", "pinned")
+    assert "8 GPUs (8 per node), sequence parallel 8, ZeRO-3, optimizer offloaded to the host" in eight.table()

@@ -32,3 +32,21 @@ def test_with_layers_copies_the_config():
     config = CONFIGS["gpt2"](4)
     assert with_layers(config, 2).num_hidden_layers == 2
     assert config.num_hidden_layers == 4
+
+
+def _memo(model, session):
+    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=2**40, min_chunk_tokens=128)
+    return model
+
+
+def test_fresh_profiles_do_not_depend_on_what_was_profiled_before():
+    """A reused memo runtime hands a shorter step the host buffers of a longer one; a fresh model per profile
+    starts from an empty host pool, so the shorter step's profile is the same whatever ran before it."""
+    config = CONFIGS["llama"](5)
+    alone = StepProfiler(config, _memo, torch.bfloat16, fresh=True).trace(1792, 5)
+    fresh, reused = (StepProfiler(config, _memo, torch.bfloat16, fresh=f) for f in (True, False))
+    for profiler in (fresh, reused):
+        profiler.trace(2048, 5)  # a longer step first
+    after_fresh, after_reused = fresh.trace(1792, 5), reused.trace(1792, 5)
+    assert peak(after_fresh, "host") == peak(alone, "host") and peak(after_fresh) == peak(alone)
+    assert peak(after_reused, "host").total != peak(alone, "host").total  # the pool's slack: why profiles are fresh

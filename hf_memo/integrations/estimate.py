@@ -1,11 +1,14 @@
 """``hf_memo.estimate`` and ``hf-memo estimate``: peak memory of a training step and the longest sequence that fits.
 
-Every setup ("mode", see :mod:`hf_memo.integrations.setups`) is profiled on fake tensors, so any model
-and any sequence length is estimated on a CPU in seconds, without its weights. Bytes the profile
-finds on the host (offloaded tensors) count as host memory, everything else as device memory. The
-memo mode runs the memory-policy solver on its profile (see :mod:`hf_memo.integrations.memo_estimate`):
-its longest sequence is the longest for which some policy fits the device and the host. Step times
-are FLOP counts at the ``gpu``'s peak, plus the copy time the memo policy cannot hide.
+Every setup ("mode", see :mod:`hf_memo.integrations.setups`) is profiled on fake tensors, so any model is
+estimated on a CPU without its weights: a few fresh profiles at short lengths fix a closed form of its peak
+memory in the step's sizes (:mod:`hf_memo.integrations.fitted`), and every length, the longest that fits among
+them, is read off the closed form. Bytes the profile finds on the host (offloaded tensors) count as host memory,
+everything else as device memory. The memo mode runs the memory-policy solver on its closed form (see
+:mod:`hf_memo.integrations.memo_estimate`): its longest sequence is the longest for which some policy fits the
+device, the host and the pinned memory. Multi-GPU jobs (:mod:`hf_memo.integrations.cluster`) are one rank's
+profile at ``S / K`` tokens with its share of the model states. Step times are bounds, not measurements: FLOPs
+at the GPU's peak plus the host copies compute cannot hide.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
+from hf_memo.integrations.cluster import Cluster, ModelStates, all_to_all_bytes, rank_peak
+from hf_memo.integrations.fitted import FittedFootprint
 from hf_memo.integrations.memo_estimate import (
     DEFAULT_GPU,
     GPUS,
+    Budget,
     Gpu,
     LayerFlops,
     MemoModel,
@@ -41,6 +47,7 @@ from hf_memo.integrations.setups import (
     MODES,
     POSITION_LIMITS,
     TRAINABLE,
+    Chunks,
     choice,
     config_of,
     memo_with_offload,
@@ -48,8 +55,10 @@ from hf_memo.integrations.setups import (
     positive_int,
     with_lora,
 )
+from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import Footprint, StepProfiler
+from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.search import longest_fitting
 from hf_memo.profiler.shapes import SHAPE_NAMES
@@ -58,11 +67,12 @@ from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
 HELP = "Estimate peak GPU and host memory of a training step per mode, and the longest sequence that fits."
+SCAN = 0.02  # past the bisection's answer, lengths up to this fraction longer are checked too (chunk rows vary)
 
 
 @dataclass(frozen=True)
 class ModeEstimate:
-    """One mode's result: the footprint at the requested length and the longest length that fits."""
+    """One mode's result: one rank's footprint at the requested length and the longest length that fits."""
 
     mode: str
     description: str
@@ -71,8 +81,9 @@ class ModeEstimate:
     longest_seq_len: int | None
     longest_is_search_limit: bool = False
     policy: str | None = None  # memo: the memory policy at the requested length (layers per kind, where)
-    step_seconds: float | None = None  # FLOP-based at the GPU's peak, plus exposed copies
-    mfu: float | None = None  # model FLOPs / (step time x peak)
+    step_seconds: float | None = None  # a lower bound: FLOPs at the GPU's peak plus exposed copies (None: no fit)
+    mfu: float | None = None  # an upper bound: model FLOPs / (step time bound x peak)
+    binding: str | None = None  # what stops a longer sequence: "device", "host" or "pinned"
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
@@ -96,6 +107,8 @@ class Estimate:
     host_memory: int | None
     modes: dict[str, ModeEstimate]
     gpu: str = DEFAULT_GPU
+    cluster: Cluster = field(default_factory=Cluster)
+    pinned_memory: int | None = None
     traces: dict[str, AllocationTrace] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,31 +126,40 @@ class Estimate:
     def table(self) -> str:
         """The side-by-side text table the command line prints."""
         names = list(self.modes)
+        per_rank = self.cluster.num_gpus > 1
         rows: list[tuple[str, list[str]]] = []
         for category in ("parameter", "gradient", "optimizer", "activation", "temporary", "buffer"):
             label = {"optimizer": "optimizer state", "temporary": "temporaries"}.get(category, category + "s")
             rows.append(
                 (f"  {label}", [format_bytes(self.modes[n].footprint.device.by_category[category]) for n in names])
             )
-        rows.append(("peak device memory", [format_bytes(self.modes[n].footprint.device.total) for n in names]))
+        rank = " per GPU" if per_rank else ""
+        rows.append((f"peak device memory{rank}", [format_bytes(self.modes[n].footprint.device.total) for n in names]))
         rows.append(("  reached in", [self.modes[n].footprint.device.phase for n in names]))
-        rows.append(("peak host memory", [format_bytes(self.modes[n].footprint.host.total) for n in names]))
+        rows.append((f"peak host memory{rank}", [format_bytes(self.modes[n].footprint.host.total) for n in names]))
         budget = format_bytes(self.gpu_memory) + (
             f" + {format_bytes(self.host_memory)} host" if self.host_memory is not None else ""
         )
         rows.append((f"fits {budget}", ["yes" if self.modes[n].fits else "no" for n in names]))
         if any(self.modes[n].longest_seq_len is not None for n in names):
             rows.append(("longest sequence", [_longest(self.modes[n]) for n in names]))
-        rows.append(("step time", [_seconds(self.modes[n].step_seconds) for n in names]))
-        rows.append(("MFU", ["-" if self.modes[n].mfu is None else f"{self.modes[n].mfu:.0%}" for n in names]))
+            rows.append(("  bound by", [self.modes[n].binding or "-" for n in names]))
+        rows.append(("step time ≥ (bound)", [_seconds(self.modes[n].step_seconds) for n in names]))
+        rows.append(
+            ("MFU ≤ (bound)", ["-" if self.modes[n].mfu is None else f"{self.modes[n].mfu:.0%}" for n in names])
+        )
         label_width = max(len(label) for label, _ in rows) + 2
         width = 2 + max(len(cell) for cell in names + [v for _, values in rows for v in values])
+        host = f", host memory {format_bytes(self.host_memory)}" if self.host_memory is not None else ""
+        if per_rank and self.host_memory is not None:
+            host += f" per node ({self.cluster.ranks_per_node} GPUs)"
+        if self.pinned_memory is not None:
+            host += f", of which {format_bytes(self.pinned_memory)} may be pinned"
         lines = [
             f"{self.model}: {self.layers} layers, {self.dtype}, batch {self.batch_size} x {self.seq_len:,} tokens, "
             f"{'full fine-tuning' if self.trainable == 'full' else f'LoRA (r={LORA_RANK}, PEFT default targets)'}, "
             f"optimizer {'AdamW (fused, states in the parameter dtype)' if self.optimizer == 'adamw' else 'none'}",
-            f"GPU memory {format_bytes(self.gpu_memory)}"
-            + (f", host memory {format_bytes(self.host_memory)}" if self.host_memory is not None else ""),
+            f"{self.cluster.describe()}; GPU memory {format_bytes(self.gpu_memory)}{host}",
             *self._methods(),
             "",
             " " * label_width + "".join(n.rjust(width) for n in names),
@@ -147,9 +169,16 @@ class Estimate:
         lines += [f"{n}: {self.modes[n].description}" for n in names]
         gpu = GPUS[self.gpu]
         lines.append(
-            f"Step time: FLOPs at the {gpu.name}'s bf16 peak ({gpu.peak_flops / 1e12:.0f} TFLOP/s), plus copies to and "
-            f"from the host at {gpu.host_bandwidth / 1e9:.0f} GB/s not hidden behind compute (--gpu)."
+            f"Step time and MFU are bounds, not measurements: FLOPs at the {gpu.name}'s bf16 dense peak "
+            f"({gpu.peak_flops / 1e12:.0f} TFLOP/s, assumed) plus host copies at {gpu.host_bandwidth / 1e9:.0f} GB/s "
+            "(assumed) that compute cannot hide; no kernel reaches the peak, and communication is not counted. "
+            "Left out where the step does not fit."
         )
+        if per_rank:
+            lines.append(
+                "Per GPU: one rank's activations at S / K tokens plus its Ulysses all-to-all buffers, its ZeRO share "
+                "of parameters, gradients and optimizer state; host memory is the node's, shared by its GPUs."
+            )
         lines += [f"memo policy: {self.modes[n].policy}" for n in names if self.modes[n].policy]
         return "\n".join(lines)
 
@@ -162,6 +191,230 @@ def _longest(result: ModeEstimate) -> str:
     if result.longest_seq_len is None:
         return "-"
     return ("≥ " if result.longest_is_search_limit else "") + f"{result.longest_seq_len:,}"
+
+
+def _longest_fitting(usage: Callable[[int], float], start: int, limit: int) -> int:
+    """The longest length whose ``usage`` is at most 1: the bracketing search, then every length up to ``SCAN``
+    longer (chunk rows, and so usage, go up and down a little between neighbouring lengths)."""
+    longest = longest_fitting(usage, start, limit=limit)
+    if longest == 0:
+        return 0
+    for seq_len in range(longest + 256, min(limit, int(longest * (1 + SCAN))) + 1, 256):
+        if usage(seq_len) <= 1:
+            longest = seq_len
+    return longest
+
+
+_CLOSED_FORMS: dict[tuple, Any] = {}  # this process's closed forms: a repeated question profiles nothing
+
+
+def _cached(key: tuple, build: Callable[[], Any]) -> Any:
+    """The closed form (or memo model) for ``key``, built once per process. Profiles are deterministic and each
+    starts from a fresh model, so reusing one changes no answer; it only skips the profiling."""
+    if key not in _CLOSED_FORMS:
+        _CLOSED_FORMS[key] = build()
+    return _CLOSED_FORMS[key]
+
+
+class _Job:
+    """What every mode of one question shares: the model, the ranks, the budgets and the profilers' settings."""
+
+    def __init__(
+        self,
+        config: Any,
+        name: str,
+        dtype: torch.dtype,
+        batch_size: int,
+        optimizer: str,
+        trainable: str,
+        cluster: Cluster,
+        gpu: Gpu,
+        budget: Budget,
+        search_limit: int,
+        bar: Any,
+    ) -> None:
+        self.config, self.name, self.dtype, self.batch_size = config, name, dtype, batch_size
+        self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
+        self.budget, self.search_limit, self.bar = budget, search_limit, bar
+        self.dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+        self._states: ModelStates | None = None
+
+    def key(self, mode: str) -> tuple:
+        """What a mode's closed form depends on (not the budgets: profiles have no memory limit)."""
+        return (
+            self.config.to_json_string(),
+            mode,
+            self.trainable,
+            self.batch_size,
+            self.dtype_name,
+            self.optimizer,
+            self.cluster,
+            self.gpu,
+        )
+
+    def profiler(self, mode: str, configure: Callable[[nn.Module], None]) -> StepProfiler:
+        """A fresh-model profiler of ``mode`` whose model ``configure`` sets up (after LoRA, if asked)."""
+
+        def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
+            if self.trainable == "lora":
+                model = with_lora(model, session)
+            configure(model)
+            return model
+
+        def on_profile(layers: int, tokens: int) -> None:
+            self.bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
+            self.bar.update()
+
+        meta = {"model": self.name, "mode": mode, "dtype": self.dtype_name, "trainable": self.trainable}
+        return StepProfiler(
+            self.config,
+            prepare,
+            self.dtype,
+            self.batch_size,
+            self.optimizer,
+            on_profile,
+            meta,
+            MODES[mode].profile_layers,
+            fresh=True,
+        )
+
+    def states(self, model: nn.Module) -> ModelStates:
+        """The whole model's parameter, gradient and optimizer bytes (from a profiled model)."""
+        if self._states is None:
+            layer = decoder_layers(model)[0]
+            extra_layers = self.config.get_text_config().num_hidden_layers - len(decoder_layers(model))
+
+            def nbytes(params: Any, trainable_only: bool = False) -> int:
+                return sum(p.numel() * p.element_size() for p in params if p.requires_grad or not trainable_only)
+
+            parameters = nbytes(model.parameters()) + extra_layers * nbytes(layer.parameters())
+            gradients = nbytes(model.parameters(), True) + extra_layers * nbytes(layer.parameters(), True)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            groups = [layer] + [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+            self._states = ModelStates(
+                parameters=parameters,
+                gradients=gradients,
+                optimizer=2 * gradients if self.optimizer == "adamw" else 0,  # AdamW: two moments, parameter dtype
+                largest_layer_parameters=max(nbytes(g.parameters()) for g in groups),
+                largest_layer_gradients=max(nbytes(g.parameters(), True) for g in groups),
+            )
+        return self._states
+
+    def adjust(self, model: nn.Module) -> Callable[[Peak, int], tuple[Peak, int]]:
+        """One rank's device peak and the host bytes of its model states, from a single-GPU peak at its tokens."""
+        element = next(p for p in model.parameters() if p.dim() >= 2).element_size()
+
+        def adjust(device: Peak, rank_seq_len: int) -> tuple[Peak, int]:
+            if self.cluster.num_gpus == 1 and self.cluster.zero == 0 and not self.cluster.offload_optimizer:
+                return device, 0
+            a2a = all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element)
+            return rank_peak(device, self.states(model), self.cluster, a2a)
+
+        return adjust
+
+
+def _mode_estimate(job: _Job, mode: str, seq_len: int, search: bool) -> tuple[ModeEstimate, StepProfiler]:
+    """A mode whose memory is what its closed form shows (every mode but memo)."""
+    spec = MODES[mode]
+
+    def profiler_for(chunks: Chunks) -> StepProfiler:
+        if spec.configure_chunked is not None:
+            return job.profiler(mode, lambda model: spec.configure_chunked(model, job.budget.host, chunks))
+        return job.profiler(mode, lambda model: spec.configure(model, job.budget.host))
+
+    fitted = _cached(job.key(mode), lambda: FittedFootprint(profiler_for, spec.chunking, job.search_limit))
+    model = profiler_for(("auto", "auto")).model(fitted.depths[0])
+    adjust, cluster = job.adjust(model), job.cluster
+
+    def at(length: int) -> tuple[Footprint, dict[str, float]]:
+        rank_len = cluster.rank_seq_len(length)
+        footprint = fitted.footprint(rank_len)
+        device, state_host = adjust(footprint.device, rank_len)
+        host = footprint.host.total + state_host
+        by_category = dict(footprint.host.by_category)
+        by_category["optimizer"] += state_host
+        footprint = Footprint(length, device, Peak(host, by_category), footprint.layers, footprint.method)
+        return footprint, job.budget.shares(device.total, host, footprint.host.total - state_host)
+
+    footprint, shares = at(seq_len)
+    fits = max(shares.values()) <= 1
+    longest = binding = None
+    if search:
+        longest = _longest_fitting(lambda s: max(at(s)[1].values()), seq_len, job.search_limit)
+        past = at(longest + 256)[1]
+        binding = max(past, key=past.__getitem__)
+    flops, batch, layers = LayerFlops.of(model), job.batch_size, fitted.layers
+    seconds = mfu = None
+    if fits:
+        k = cluster.sequence_parallel
+        head = head_seconds(model, batch, seq_len, job.gpu) / k
+        seconds = step_seconds(mode, flops, layers, head * k, batch, seq_len, job.gpu) / k
+        mfu = model_flops(flops, layers, head * k, batch, seq_len, job.gpu) / k / (seconds * job.gpu.peak_flops)
+    result = ModeEstimate(
+        mode,
+        spec.description,
+        footprint,
+        fits,
+        longest,
+        longest is not None and longest >= job.search_limit - job.search_limit % 256,
+        step_seconds=seconds,
+        mfu=mfu,
+        binding=binding,
+    )
+    return result, profiler_for(("auto", "auto"))
+
+
+MEMO_DESCRIPTION = (
+    "hf_memo.apply(recompute='memo'): MEMO executor under the memory policy its solver picks (per layer: keep "
+    "X + attention or X only, on the host or the device, and alpha); memory from its profile and the policy"
+)
+
+
+def memo_mode_estimate(memo: MemoModel, seq_len: int, budget: Budget, search: bool, search_limit: int) -> ModeEstimate:
+    """The memo mode: the fastest policy that fits at ``seq_len`` (one rank's ``seq_len / K`` positions of each
+    sequence, ``seq_len`` being the whole sequence's); the longest length some policy fits."""
+    k = memo.sequence_parallel
+    choice_ = memo.choose(-(-seq_len // k), budget)
+    longest = binding = None
+    if search:
+        longest = _longest_fitting(lambda s: memo.smallest_usage(-(-s // k), budget)[0], seq_len, search_limit)
+        binding = memo.smallest_usage(-(-(longest + 256) // k), budget)[1]
+    footprint = Footprint(seq_len, choice_.device, choice_.host, memo.layers, memo.method)
+    policy, seconds, mfu = choice_.policy, None, None
+    if policy is not None:
+        model, batch = memo.model, memo.batch_size
+        head = head_seconds(model, batch, seq_len, memo.gpu) / k
+        seconds = policy.predicted_step_seconds + head
+        useful = model_flops(memo.flops, memo.layers, head * k, batch, seq_len, memo.gpu) / k
+        mfu = useful / (seconds * memo.gpu.peak_flops)
+    return ModeEstimate(
+        "memo",
+        MEMO_DESCRIPTION,
+        footprint,
+        policy is not None,
+        longest,
+        longest is not None and longest >= search_limit - search_limit % 256,
+        policy=policy.summary() if policy is not None else f"none fits: {choice_.shortfall}",
+        step_seconds=seconds,
+        mfu=mfu,
+        binding=binding,
+    )
+
+
+def memo_model(job: _Job, search_limit: int) -> MemoModel:
+    """The memo mode's model of one rank (fresh profiles, closed form, cluster share)."""
+
+    def profiler_for(fraction: float, chunks: Chunks) -> StepProfiler:
+        return job.profiler("memo", memo_with_offload(fraction, chunks))
+
+    allow_x_only = not getattr(job.config.get_text_config(), "attention_dropout", 0.0)
+    probe = profiler_for(0.0, ("auto", "auto"))
+    adjust = job.adjust(probe.model(MODES["memo"].profile_layers[0]))
+    k = job.cluster.sequence_parallel
+    return _cached(
+        job.key("memo"),
+        lambda: MemoModel(profiler_for, job.batch_size, job.gpu, allow_x_only, search_limit, k, adjust),
+    )
 
 
 def estimate(
@@ -178,6 +431,8 @@ def estimate(
     keep_traces: bool = False,
     progress: bool = True,
     gpu: str = DEFAULT_GPU,
+    cluster: Cluster | None = None,
+    pinned_memory: int | str | None = None,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -186,24 +441,27 @@ def estimate(
             ``PretrainedConfig``, or a model (only its config is used; nothing is run on it).
         seq_len: tokens per sequence ``S`` (an int or ``"128k"``); batches are ``(batch_size, S)``.
         gpu_memory: device memory per GPU (``"80GiB"``, ``"80GB"`` or bytes).
-        host_memory: host memory for offloaded tensors; ``None`` puts no limit on it.
-        batch_size: sequences per step.
+        host_memory: host memory per node for offloaded tensors; ``None`` puts no limit on it.
+        batch_size: sequences per step (per data-parallel group).
         trainable: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA, r=8, PEFT's default targets).
         optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
         modes: names from :data:`MODES`.
         dtype: parameter dtype.
-        search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and ``host_memory``);
-            for memo, the longest for which some memory policy fits.
-        keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` in ``Estimate.traces``
-            (memo: with its smallest MEMO policy, every swapped layer's input and attention output on the host).
+        search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and the host and pinned
+            memory); for memo, the longest for which some memory policy fits.
+        keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` (one rank's tokens) in
+            ``Estimate.traces`` (memo: its smallest MEMO policy). A full-depth profile: slow for long sequences.
         progress: show a progress bar.
-        gpu: the cost model's GPU for step times (``"h100"``, ``"h200"``, ``"a100"``; see
-            :data:`~hf_memo.integrations.memo_estimate.GPUS`).
+        gpu: the GPU whose peak FLOP/s and host bandwidth bound the step time (``"h100"``, ``"h200"``, ``"a100"``).
+        cluster: ranks, sequence parallelism, ZeRO stage and optimizer offload (default: one GPU).
+        pinned_memory: host memory per node offloaded activations may pin (default: all of ``host_memory``).
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
     gpu_bytes = parse_bytes(gpu_memory)
     host_bytes = None if host_memory is None else parse_bytes(host_memory)
+    pinned_bytes = None if pinned_memory is None else parse_bytes(pinned_memory)
+    cluster = cluster or Cluster()
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_memory must be positive, got {gpu_memory!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
@@ -219,47 +477,26 @@ def estimate(
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
-    spec, gpu = gpu_of(gpu), gpu.lower()
-    allow_x_only = not getattr(config.get_text_config(), "attention_dropout", 0.0)
+    spec = gpu_of(gpu)
+    ranks = cluster.ranks_per_node
+    budget = Budget(
+        float(gpu_bytes),
+        None if host_bytes is None else host_bytes / ranks,
+        None if pinned_bytes is None else pinned_bytes / ranks,
+    )
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
     results: dict[str, ModeEstimate] = {}
     traces: dict[str, AllocationTrace] = {}
-    dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
     try:
+        job = _Job(config, name, dtype, batch_size, optimizer, trainable, cluster, spec, budget, search_limit, bar)
         for mode in modes:
-
-            def profiler_of(configure: Callable[[nn.Module], None], mode: str = mode) -> StepProfiler:
-                def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
-                    if trainable == "lora":
-                        model = with_lora(model, session)
-                    configure(model)
-                    return model
-
-                def on_profile(layers: int, tokens: int) -> None:
-                    bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
-                    bar.update()
-
-                meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
-                return StepProfiler(
-                    config, prepare, dtype, batch_size, optimizer, on_profile, meta, MODES[mode].profile_layers
-                )
-
-            profiler = profiler_of(lambda model, mode=mode: MODES[mode].configure(model, host_bytes))
             if mode == "memo":
-                results[mode] = memo_mode_estimate(
-                    MemoModel(lambda f: profiler_of(memo_with_offload(f)), batch_size, spec, allow_x_only),
-                    seq_len,
-                    gpu_bytes,
-                    host_bytes,
-                    search,
-                    search_limit,
-                )
+                results[mode] = memo_mode_estimate(memo_model(job, search_limit), seq_len, budget, search, search_limit)
+                profiler = job.profiler(mode, memo_with_offload(0.0))
             else:
-                results[mode] = profiled_mode_estimate(
-                    mode, profiler, seq_len, gpu_bytes, host_bytes, search, search_limit, spec
-                )
+                results[mode], profiler = _mode_estimate(job, mode, seq_len, search)
             if keep_traces:
-                traces[mode] = profiler.trace(seq_len)
+                traces[mode] = profiler.trace(cluster.rank_seq_len(seq_len))
     finally:
         bar.close()
     layers = config.get_text_config().num_hidden_layers
@@ -268,14 +505,16 @@ def estimate(
         layers,
         seq_len,
         batch_size,
-        dtype_name,
+        job.dtype_name,
         trainable,
         optimizer,
         gpu_bytes,
         host_bytes,
         results,
+        gpu=gpu.lower(),
+        cluster=cluster,
+        pinned_memory=pinned_bytes,
         traces=traces,
-        gpu=gpu,
     )
 
 
@@ -299,14 +538,26 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-memory",
         default=None,
-        help="host memory for offloaded activations, e.g. 1TiB (default: this machine's, from psutil)",
+        help="host memory per node for offloaded tensors, e.g. 1TiB (default: this machine's, from psutil)",
     )
     parser.add_argument(
-        "--gpu", default=DEFAULT_GPU, help=f"GPU of the step-time model: {', '.join(GPUS)} (default {DEFAULT_GPU})"
+        "--pinned-memory", default=None, help="host memory per node that may be pinned (default: all of it)"
+    )
+    parser.add_argument(
+        "--gpu", default=DEFAULT_GPU, help=f"GPU of the step-time bound: {', '.join(GPUS)} (default {DEFAULT_GPU})"
     )
     parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
     parser.add_argument("--trainable", default="full", help="full (default) or lora")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
+    parser.add_argument("--num-gpus", default="1", help="GPUs of the job (default 1)")
+    parser.add_argument("--gpus-per-node", default="8", help="GPUs sharing one node's host memory (default 8)")
+    parser.add_argument(
+        "--sequence-parallel", default="1", help="Ulysses sequence-parallel degree K, dividing --num-gpus (default 1)"
+    )
+    parser.add_argument("--zero", default="0", help="ZeRO stage: 0 (default), 1, 2 or 3")
+    parser.add_argument(
+        "--offload-optimizer", action="store_true", help="keep the optimizer state (and its gradients) on the host"
+    )
     parser.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
@@ -317,6 +568,17 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", default=None, help="write a memory timeline PNG of each mode here")
     parser.add_argument("--trace-dir", default=None, help="write each mode's allocation trace here as JSON lines")
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """The :class:`Cluster` the command line's flags describe; errors name the flag and its accepted values."""
+    num_gpus = positive_int("--num-gpus", args.num_gpus)
+    per_node = positive_int("--gpus-per-node", args.gpus_per_node)
+    sp = positive_int("--sequence-parallel", args.sequence_parallel)
+    if num_gpus % sp:
+        raise ValueError(f"--sequence-parallel must divide --num-gpus ({num_gpus}), got {args.sequence_parallel!r}")
+    zero = int(choice("--zero", args.zero, ["0", "1", "2", "3"]))
+    return Cluster(num_gpus, sp, zero, args.offload_optimizer, per_node)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,6 +600,8 @@ def run(args: argparse.Namespace) -> int:
         search=not args.no_search,
         keep_traces=bool(args.plot or args.trace_dir),
         gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
+        cluster=cluster_of(args),
+        pinned_memory=None if args.pinned_memory is None else parse("--pinned-memory", parse_bytes, args.pinned_memory),
     )
     if args.trace_dir:
         folder = Path(args.trace_dir)
@@ -357,81 +621,3 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"Timeline plot: {args.plot}")
     return 0
-
-
-def profiled_mode_estimate(
-    mode: str,
-    profiler: StepProfiler,
-    seq_len: int,
-    gpu_bytes: int,
-    host_bytes: int | None,
-    search: bool,
-    search_limit: int,
-    gpu: Gpu,
-) -> ModeEstimate:
-    """A mode whose memory is what its profile shows."""
-    footprints: dict[int, Footprint] = {}
-
-    def usage(tokens: int) -> float:
-        if tokens not in footprints:
-            footprints[tokens] = profiler.footprint(tokens)
-        host = footprints[tokens].host.total
-        device_share = footprints[tokens].device.total / gpu_bytes
-        return device_share if host_bytes is None else max(device_share, host / max(host_bytes, 1))
-
-    fits = usage(seq_len) <= 1
-    longest = longest_fitting(usage, seq_len, limit=search_limit) if search else None
-    model = profiler.model(profiler.profile_layers[0])
-    flops, batch = LayerFlops.of(model), profiler.batch_size
-    head = head_seconds(model, batch, seq_len, gpu)
-    seconds = step_seconds(mode, flops, profiler.layers, head, batch, seq_len, gpu)
-    useful = model_flops(flops, profiler.layers, head, batch, seq_len, gpu)
-    return ModeEstimate(
-        mode,
-        MODES[mode].description,
-        footprints[seq_len],
-        fits,
-        longest,
-        longest is not None and longest >= search_limit - search_limit % 256,
-        step_seconds=seconds,
-        mfu=useful / (seconds * gpu.peak_flops),
-    )
-
-
-MEMO_DESCRIPTION = (
-    "hf_memo.apply(recompute='memo'): MEMO executor under the memory policy its solver picks (per layer: keep "
-    "X + attention or X only, on the host or the device, and alpha); memory from its profile and the policy"
-)
-
-
-def memo_mode_estimate(
-    memo: MemoModel,
-    seq_len: int,
-    gpu_bytes: int,
-    host_bytes: int | None,
-    search: bool,
-    search_limit: int,
-) -> ModeEstimate:
-    """The memo mode: the fastest policy that fits at ``seq_len``; the longest length some policy fits."""
-    choice_ = memo.choose(seq_len, gpu_bytes, host_bytes)
-    longest = None
-    if search:
-        longest = longest_fitting(lambda s: memo.smallest_usage(s, gpu_bytes, host_bytes), seq_len, limit=search_limit)
-    footprint = Footprint(seq_len, choice_.device, choice_.host, memo.layers, memo.method)
-    policy, seconds, mfu = choice_.policy, None, None
-    if policy is not None:
-        model, batch = memo.model, memo.batch_size
-        head = head_seconds(model, batch, seq_len, memo.gpu)
-        seconds = policy.predicted_step_seconds + head
-        mfu = model_flops(memo.flops, memo.layers, head, batch, seq_len, memo.gpu) / (seconds * memo.gpu.peak_flops)
-    return ModeEstimate(
-        "memo",
-        MEMO_DESCRIPTION,
-        footprint,
-        policy is not None,
-        longest,
-        longest is not None and longest >= search_limit - search_limit % 256,
-        policy=policy.summary() if policy is not None else f"none fits: {choice_.shortfall}",
-        step_seconds=seconds,
-        mfu=mfu,
-    )

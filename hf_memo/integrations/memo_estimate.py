@@ -2,7 +2,7 @@
 
 The memo executor is profiled on fake tensors with its smallest MEMO policy (every layer but the top two
 keeps its input ``X`` and attention output on the host, ``alpha = 0``) and with ``alpha = 1``. From the
-profiles at depths 4 and 5 (see :class:`~hf_memo.integrations.setups.Mode`):
+closed form fitted to profiles at depths 4 and 5 (see :mod:`~hf_memo.integrations.fitted`):
 
 - the host bytes one more layer adds are a layer's stash, ``S_in + S_attn`` (``alpha = 0``) and
   ``S_in + S_attn + S_other`` (``alpha = 1``); ``S_in`` is the layer input ``(B, S, H)`` itself;
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint
+from hf_memo.integrations.setups import Chunks
 from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
-from hf_memo.profiler.extrapolate import extrapolated_peak
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
 
@@ -91,9 +92,38 @@ class MemoProfile:
     """What the memo mode's profile at one length gives the solver."""
 
     seq_len: int
-    device: Peak  # the profiled device peak (smallest MEMO policy)
+    device: Peak  # the profiled device peak (smallest MEMO policy), one rank's
     base_bytes: float  # device bytes of everything but the kept tensors and copy buffers
     costs: LayerCosts
+    state_host: int = 0  # host bytes of the rank's offloaded model states (optimizer offload)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One rank's memory: device bytes, its share of the node's host memory and of what may be pinned there
+    (``None``: no limit)."""
+
+    device: float
+    host: float | None = None
+    pinned: float | None = None
+
+    def shares(self, device: float, host: float, pinned: float) -> dict[str, float]:
+        """The fraction of each budget used (``"device"``, ``"host"``, ``"pinned"``; unlimited ones left out)."""
+        shares = {"device": device / self.device}
+        if self.host is not None:
+            shares["host"] = host / max(self.host, 1.0)
+        if self.pinned is not None:
+            shares["pinned"] = pinned / max(self.pinned, 1.0)
+        return shares
+
+    def stash_room(self, state_host: float) -> float:
+        """Host bytes offloaded activations may take beside ``state_host`` bytes of offloaded model states."""
+        room = float(2**60)
+        if self.host is not None:
+            room = min(room, self.host - state_host)
+        if self.pinned is not None:
+            room = min(room, self.pinned)
+        return max(room, 0.0)
 
 
 @dataclass(frozen=True)
@@ -109,59 +139,73 @@ class MemoChoice:
 class MemoModel:
     """Profiles the memo executor and solves its memory policy at any length and budget.
 
+    The smallest MEMO policy (``alpha = 0``) is profiled as a :class:`~hf_memo.integrations.fitted.FittedFootprint`
+    (six fresh profiles, a closed form in the step's sizes), and once more with ``alpha = 1`` for the bytes per
+    token of everything else a layer saves (``S_other``, a constant per token).
+
     Args:
-        config_profiler: ``config_profiler(offload_fraction)`` -> a :class:`StepProfiler` of the memo mode with
-            that fixed offload fraction and no host limit.
+        profiler_for: ``profiler_for(offload_fraction, chunks)`` -> a fresh-model :class:`StepProfiler` of the memo
+            mode with that fixed offload fraction, those chunk settings and no host limit.
         batch_size: sequences per step.
         gpu: peak FLOP/s and host bandwidth of the cost model.
         allow_x_only: whether layers may keep ``X`` only (not with attention dropout).
+        max_seq_len: the longest length the model's positions allow.
+        sequence_parallel: ranks ``K`` a sequence is split over: profiles are of one rank's ``S / K`` tokens, FLOPs
+            of one rank's share.
+        adjust: ``adjust(device_peak, seq_len)`` -> ``(rank's device peak, host bytes of its model states)`` (see
+            :func:`~hf_memo.integrations.cluster.rank_peak`); by default the single-GPU peak, nothing on the host.
     """
 
     def __init__(
         self,
-        config_profiler: Callable[[float], StepProfiler],
+        profiler_for: Callable[[float, Chunks], StepProfiler],
         batch_size: int,
         gpu: Gpu,
         allow_x_only: bool,
+        max_seq_len: int = 1 << 24,
+        sequence_parallel: int = 1,
+        adjust: Callable[[Peak, int], tuple[Peak, int]] | None = None,
     ) -> None:
-        self._smallest = config_profiler(0.0)
-        self._largest = config_profiler(1.0)
-        self.layers = self._smallest.layers
+        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len)
+        self.layers = self.fitted.layers
+        if self.layers < 3:
+            raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
         self.batch_size = self._batch_size = batch_size
-        shallow, deeper = self._smallest.profile_layers
-        self.method = (
-            f"profiled {shallow} and {deeper} of {self.layers} layers on fake tensors at alpha 0 and 1, extrapolated "
-            "linearly in layers; memo's memory is its chosen policy's"
-        )
+        self.sequence_parallel = sequence_parallel
         self.gpu = gpu
         self.allow_x_only = allow_x_only
-        self._profiles: dict[int, MemoProfile] = {}
-        self._other_per_token: float | None = None
-        self.model = self._smallest.model(self._smallest.profile_layers[0])
+        self._adjust = adjust
+        depth, seq_len = self.fitted.depths[0], self.fitted.seq_lens[-1]
+        largest = profiler_for(1.0, BASE_CHUNKS)
+        everything = peak(largest.trace(seq_len, depth), "host").total
+        fixed = peak(self.fitted.trace(depth, seq_len, BASE_CHUNKS), "host").total
+        self._other_per_token = (everything - fixed) / ((depth - 2) * batch_size * seq_len)
+        self.method = f"{self.fitted.method} at alpha 0, one more at alpha 1; memo's memory is its chosen policy's"
+        self.model = largest.model(depth)
         self.flops = LayerFlops.of(self.model)
+        self._profiles: dict[int, MemoProfile] = {}
 
-    def _layer_host_bytes(self, profiler: StepProfiler, seq_len: int) -> tuple[float, Peak, Peak]:
-        """Host bytes one more layer adds at ``seq_len``, and the device peaks of the two profiled depths."""
-        shallow, deeper = profiler.profile_layers
-        small, large = profiler.trace(seq_len, shallow), profiler.trace(seq_len, deeper)
-        per_layer = peak(large, "host").total - peak(small, "host").total
-        if self.layers <= deeper:
-            full = small if self.layers == shallow else profiler.trace(seq_len)
-            return per_layer, peak(full, "device"), peak(full, "device")
-        return per_layer, extrapolated_peak(small, large, self.layers, "device"), peak(large, "device")
+    def fixed_bytes(self, seq_len: int) -> float:
+        """``S_in + S_attn``: host bytes one more swapped layer adds at ``seq_len`` (smallest MEMO policy)."""
+        if len(self.fitted.depths) > 1:
+            more = self.fitted.footprint(seq_len, self.layers + 1).host.total
+            return float(more - self.fitted.footprint(seq_len).host.total)
+        return self.fitted.footprint(seq_len).host.total / (self.layers - 2)
 
     def profile(self, seq_len: int) -> MemoProfile:
-        """The profile at ``seq_len`` (cached); ``S_other`` per token is measured once, at the first length."""
+        """The closed form's memo profile at ``seq_len`` (one rank's positions)."""
         if seq_len in self._profiles:
             return self._profiles[seq_len]
-        fixed, device, _ = self._layer_host_bytes(self._smallest, seq_len)
-        if self._other_per_token is None:
-            everything, _, _ = self._layer_host_bytes(self._largest, seq_len)
-            self._other_per_token = (everything - fixed) / (self._batch_size * seq_len)
-        width = self._smallest.config.get_text_config().hidden_size
+        device, state_host = self.fitted.footprint(seq_len).device, 0
+        if self._adjust is not None:
+            device, state_host = self._adjust(device, seq_len)
+        fixed = self.fixed_bytes(seq_len)
+        text = self.fitted.config.get_text_config()
         element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
-        input_bytes = float(self._batch_size * seq_len * width * element)
-        forward, backward, attention = self.flops.seconds(self._batch_size, seq_len, self.gpu.peak_flops)
+        input_bytes = float(self._batch_size * seq_len * text.hidden_size * element)
+        k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence
+        whole = self.flops.seconds(self._batch_size, seq_len * k, self.gpu.peak_flops)
+        forward, backward, attention = (t / k for t in whole)
         costs = LayerCosts(
             input_bytes=input_bytes,
             attention_bytes=fixed - input_bytes,
@@ -172,32 +216,35 @@ class MemoModel:
             other_seconds=forward - attention,
         )
         kept = (min(2, self.layers) + (2 if self.layers > 2 else 0)) * fixed  # top two + two copy buffers
-        self._profiles[seq_len] = MemoProfile(seq_len, device, device.total - kept, costs)
+        self._profiles[seq_len] = MemoProfile(seq_len, device, device.total - kept, costs, state_host)
         return self._profiles[seq_len]
 
-    def smallest_usage(self, seq_len: int, gpu_bytes: float, host_bytes: float | None) -> float:
-        """The smallest ``max(device share, host share)`` of any policy: the search's measure of fitting."""
+    def smallest_usage(self, seq_len: int, budget: Budget) -> tuple[float, str]:
+        """The smallest ``max`` of the device, host and pinned shares of any policy (the search's measure of fitting),
+        and the constraint that sets it."""
         profile = self.profile(seq_len)
         stash = profile.costs.stash_bytes(not self.allow_x_only, 0.0)
         n = self.layers
-        best = float("inf")
+        best, binding = float("inf"), "device"
         for on_device in range(min(2, n), n + 1):
             device = profile.base_bytes + on_device * stash + (2 * stash if on_device < n else 0.0)
-            host = (n - on_device) * stash
-            share = device / gpu_bytes if host_bytes is None else max(device / gpu_bytes, host / max(host_bytes, 1))
-            best = min(best, share)
-        return best
+            swapped = (n - on_device) * stash
+            shares = budget.shares(device, swapped + profile.state_host, swapped)
+            name = max(shares, key=shares.__getitem__)
+            if shares[name] < best:
+                best, binding = shares[name], name
+        return best, binding
 
-    def choose(self, seq_len: int, gpu_bytes: float, host_bytes: float | None) -> MemoChoice:
+    def choose(self, seq_len: int, budget: Budget) -> MemoChoice:
         """The fastest policy that fits at ``seq_len``, or why none does."""
         profile = self.profile(seq_len)
-        host_budget = float(host_bytes) if host_bytes is not None else float(2**60)
+        host_budget = budget.stash_room(profile.state_host)
         try:
             policy = solve_policy(
                 self.layers,
                 profile.costs,
                 self.gpu.host_bandwidth,
-                max(gpu_bytes - profile.base_bytes, 0.0),
+                max(budget.device - profile.base_bytes, 0.0),
                 host_budget,
                 ALPHA_STEPS,
                 self.allow_x_only,
@@ -207,7 +254,11 @@ class MemoModel:
         by_category = dict(profile.device.by_category)
         by_category["activation"] += round(policy.device_bytes + profile.base_bytes - profile.device.total)
         device = Peak(sum(by_category.values()), by_category, -1, profile.device.phase)
-        host = Peak(round(policy.host_bytes), {**dict.fromkeys(by_category, 0), "activation": round(policy.host_bytes)})
+        host_total = round(policy.host_bytes) + profile.state_host
+        host = Peak(
+            host_total,
+            {**dict.fromkeys(by_category, 0), "activation": round(policy.host_bytes), "optimizer": profile.state_host},
+        )
         return MemoChoice(policy, device, host)
 
 

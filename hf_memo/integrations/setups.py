@@ -20,14 +20,25 @@ from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
 
+Chunks = tuple[int | str, int | str]  # (mlp_chunks, lm_head_chunks) settings of MemoConfig
+AUTO_CHUNKS: Chunks = ("auto", "auto")
+
 
 @dataclass(frozen=True)
 class Mode:
-    """A training setup: ``configure(model, host_memory)`` turns the bare model into the one trained."""
+    """A training setup: ``configure(model, host_memory)`` turns the bare model into the one trained.
+
+    Modes that run the MLP and the LM head in mini-sequences name how they cut them (``chunking``: ``"tokens"``,
+    the mini-sequence ops' rule over all ``B * S`` rows, or ``"memo"``, the memo executor's rule over each
+    sequence's ``S`` positions) and take the chunk counts to profile with (``configure_chunked(model,
+    host_memory, chunks)``).
+    """
 
     description: str
     configure: Callable[[nn.Module, int | None], None]
     profile_layers: tuple[int, int] = PROFILE_LAYERS
+    chunking: str | None = None
+    configure_chunked: Callable[[nn.Module, int | None, Chunks], None] | None = None
 
 
 def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
@@ -38,27 +49,41 @@ def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _minseq(model: nn.Module, host_memory: int | None) -> None:
+def _minseq(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNKS) -> None:
     _hf_checkpointing(model, host_memory)
-    hf_memo.apply(model)
+    hf_memo.apply(model, mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
 
 
 UNLIMITED_HOST = 2**50
 
 
-def _memo(model: nn.Module, host_memory: int | None) -> None:
+def _memo(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNKS) -> None:
     # alpha = 0: the device peak hardly depends on alpha (offloaded tokens end up on the host, the others keep
     # nothing), and the host memory shown is memo's minimum: each swapped layer's input and attention output.
     limit = UNLIMITED_HOST if host_memory is None else host_memory
-    hf_memo.apply(model, recompute="memo", offload_fraction=0.0, host_memory_limit=limit)
+    hf_memo.apply(
+        model,
+        recompute="memo",
+        offload_fraction=0.0,
+        host_memory_limit=limit,
+        mlp_chunks=chunks[0],
+        lm_head_chunks=chunks[1],
+    )
 
 
-def memo_with_offload(fraction: float) -> Callable[[nn.Module], None]:
-    """Configure the memo executor with a fixed ``offload_fraction`` and no host limit (what the estimator's
-    memory policy profiles: the bytes a layer stashes at ``alpha = 0`` and ``alpha = 1``)."""
+def memo_with_offload(fraction: float, chunks: Chunks = AUTO_CHUNKS) -> Callable[[nn.Module], None]:
+    """Configure the memo executor with a fixed ``offload_fraction``, no host limit and the given chunk settings
+    (what the estimator's memory policy profiles: the bytes a layer stashes at ``alpha = 0`` and ``alpha = 1``)."""
 
     def configure(model: nn.Module) -> None:
-        hf_memo.apply(model, recompute="memo", offload_fraction=fraction, host_memory_limit=UNLIMITED_HOST)
+        hf_memo.apply(
+            model,
+            recompute="memo",
+            offload_fraction=fraction,
+            host_memory_limit=UNLIMITED_HOST,
+            mlp_chunks=chunks[0],
+            lm_head_chunks=chunks[1],
+        )
 
     return configure
 
@@ -66,11 +91,18 @@ def memo_with_offload(fraction: float) -> Callable[[nn.Module], None]:
 MODES: dict[str, Mode] = {
     "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
     "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
-    "minseq": Mode("hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing", _minseq),
+    "minseq": Mode(
+        "hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing",
+        _minseq,
+        chunking="tokens",
+        configure_chunked=_minseq,
+    ),
     "memo": Mode(
         "hf_memo.apply(recompute='memo'): MEMO executor, layer inputs and attention outputs on the host",
         _memo,
         profile_layers=(4, 5),  # the first depth with both rounding buffers and two device-resident layers
+        chunking="memo",
+        configure_chunked=_memo,
     ),
 }
 DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")

@@ -92,6 +92,9 @@ class AllocationRecorder(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}  # live trace id -> weak reference with the free callback
         self._info: dict[int, _Storage] = {}
         self._events: list[tuple[str, int, str]] = []  # (op, id, phase)
+        self._sources: dict[int, str] = {}  # trace id -> the op whose output it first was
+        self._op: str | None = None  # the op being dispatched, after the one before it ("aten.silu > aten.mul")
+        self._previous_op = ""
         self._original_resize = torch.UntypedStorage.resize_
         self._recording = False
         self._stage_starts: dict[str, int] = {}
@@ -109,6 +112,8 @@ class AllocationRecorder(TorchDispatchMode):
         self._info[tensor_id] = _Storage(storage.nbytes(), self._stage(), phase, address)
         self._ids[storage] = tensor_id
         self._refs[tensor_id] = weakref.ref(storage, partial(self._on_death, tensor_id))
+        if self._op is not None:
+            self._sources[tensor_id] = self._op
         self._retag(storage, tensor_id)
         self._events.append(("malloc", tensor_id, phase))
         return tensor_id
@@ -166,8 +171,13 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        for storage in _storages(out):
-            self._see(storage)
+        name = str(func)
+        self._op, self._previous_op = f"{self._previous_op} > {name}", name
+        try:
+            for storage in _storages(out):
+                self._see(storage)
+        finally:
+            self._op = None
         return out
 
     def __enter__(self) -> AllocationRecorder:
@@ -224,8 +234,9 @@ class AllocationRecorder(TorchDispatchMode):
         events = []
         for op, tensor_id, phase in self._events:
             info = self._info[tensor_id]
+            source = self._sources.get(tensor_id) if op == "malloc" else None
             events.append(
-                AllocationEvent(op, tensor_id, info.size, phase, self._category(info), info.location, info.name)
+                AllocationEvent(op, tensor_id, info.size, phase, self._category(info), info.location, info.name, source)
             )
         live = sorted(self._refs)
         return AllocationTrace(events, {**(meta or {}), "live_at_end": live, "stage_starts": dict(self._stage_starts)})

@@ -20,7 +20,7 @@ from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
 SlotKey = tuple[str, int]
 
 
-def _slot(phase: str, layers: int) -> str | None:
+def slot_name(phase: str, layers: int) -> str | None:
     """``"layer first forward"`` / ``"layer last backward"`` for the end layers, ``None`` for middle ones."""
     if not phase.startswith("layer "):
         return phase
@@ -44,7 +44,7 @@ def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey
     for index, event in enumerate(trace.events):
         if event.phase != previous_phase:
             previous_phase = event.phase
-            slot = _slot(event.phase, layers)
+            slot = slot_name(event.phase, layers)
             key = None if slot is None else (slot, seen[slot])
             if slot is not None:
                 seen[slot] += 1
@@ -58,7 +58,8 @@ def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey
     return peaks
 
 
-def _target_phase(slot: str, layers: int) -> str:
+def target_phase(slot: str, layers: int) -> str:
+    """The phase name of ``slot`` (``"layer last backward"``, ...) in a model with ``layers`` decoder layers."""
     if slot.startswith("layer first "):
         return f"layer 0 {slot.split()[-1]}"
     if slot.startswith("layer last "):
@@ -90,5 +91,5 @@ def extrapolated_peak(shallow: AllocationTrace, deeper: AllocationTrace, layers:
         }
         total = sum(by_category.values())
         if total > best.total:
-            best = Peak(total, by_category, -1, _target_phase(key[0], layers))
+            best = Peak(total, by_category, -1, target_phase(key[0], layers))
     return best

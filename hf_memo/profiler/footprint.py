@@ -60,6 +60,9 @@ class StepProfiler:
         profile_layers: the two depths a deeper model is profiled at; every layer after the first of them
             must behave like the others (e.g. under the memo executor, depth 4 is the first with both
             rounding buffers in use and two layers kept on the device).
+        fresh: build a new model (and so a new hf_memo runtime and host pool) for every traced step, so that no
+            profile depends on what was profiled before it (a runtime's host pool reuses the buffers of an earlier,
+            longer step).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class StepProfiler:
         on_profile: Callable[[int, int], None] | None = None,
         meta: dict[str, Any] | None = None,
         profile_layers: tuple[int, int] = PROFILE_LAYERS,
+        fresh: bool = False,
     ) -> None:
         self.config = config
         self.profile_layers = profile_layers
@@ -82,6 +86,7 @@ class StepProfiler:
         self._optimizer = optimizer
         self._on_profile = on_profile
         self._meta = meta or {}
+        self._fresh = fresh
         self._models: dict[int, tuple[nn.Module, FakeSession]] = {}
 
     def model(self, layers: int) -> nn.Module:
@@ -99,7 +104,11 @@ class StepProfiler:
     def trace(self, seq_len: int, layers: int | None = None) -> AllocationTrace:
         """The allocation trace of one step on ``(batch_size, seq_len)`` tokens, with ``layers`` (default all)."""
         layers = self.layers if layers is None else layers
+        if self._fresh:
+            self._models.pop(layers, None)
         model, session = self._model(layers)
+        if self._fresh:
+            del self._models[layers]
         with session:
             trace = trace_training_step(model, self._batch_size, seq_len, self._optimizer, self._meta)
         if self._on_profile is not None:

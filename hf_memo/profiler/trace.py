@@ -39,6 +39,7 @@ class AllocationEvent:
     category: str = "temporary"
     location: str = "device"
     name: str | None = None
+    source: str | None = field(default=None, compare=False)  # the op whose output a malloc holds (not saved)
 
     def to_json(self) -> dict[str, Any]:
         record = {

@@ -1,0 +1,121 @@
+"""A mode's peak memory at any sequence length from six fresh fake-tensor profiles (four if it chunks nothing).
+
+Profiling a step costs time in proportion to its operations, and mini-sequence chunk counts grow with the
+sequence (the LM head of Llama-3-8B runs 64 chunks at 128K tokens, 423 at 883K), so profiling at the length asked
+about is slow. The step's memory only depends on the layers ``n``, the tokens ``T`` and the rows of the largest
+chunk of the MLP and of the LM head (see :mod:`hf_memo.profiler.closed_form`), so the mode is profiled at two
+short lengths and two depths with two chunks each, plus once with three MLP chunks and once with three LM-head
+chunks, and the peak at any length follows from the closed form with the chunk rows the runtime's own rule
+(:func:`hf_memo.minseq.chunking.resolve_chunks`) gives there. Every profile builds a fresh model, so a fresh
+hf_memo runtime and host pool: no profile depends on another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from transformers import PretrainedConfig
+
+from hf_memo.config import MemoConfig
+from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
+from hf_memo.minseq.chunking import resolve_chunks
+from hf_memo.patches.registry import family_for
+from hf_memo.profiler.closed_form import ClosedForm, StepSize
+from hf_memo.profiler.footprint import Footprint, StepProfiler
+from hf_memo.profiler.trace import AllocationTrace
+
+PROFILE_SEQ_LEN = 24576  # the longer of the two profiled lengths (the shorter is half); capped by learned positions
+BASE_CHUNKS = (2, 2)  # chunk counts of the profiles: few (profiles are fast), more than one (the chunked code path)
+MORE_CHUNKS = 3  # the two other profiles: 3 MLP chunks, then 3 LM-head chunks (24,576 = 3 x 8,192 rows)
+
+
+def chunk_rows(
+    config: PretrainedConfig, chunking: str, batch_size: int, seq_len: int, chunks: Chunks = AUTO_CHUNKS
+) -> tuple[int, int]:
+    """Tokens in the largest MLP chunk and LM-head chunk of a ``(batch_size, seq_len)`` step, as the runtime cuts.
+
+    ``chunking`` is ``"tokens"`` (the mini-sequence MLP: all ``B * S`` rows) or ``"memo"`` (the memo executor:
+    each sequence's ``S`` positions, ``B`` rows per position); the LM head always cuts the ``B * S`` rows.
+    """
+    text = config.get_text_config()
+    hidden, defaults = text.hidden_size, MemoConfig()
+    width = family_for(config.model_type).intermediate_size(text)
+    tokens = batch_size * seq_len
+    min_tokens, max_elements = defaults.min_chunk_tokens, defaults.max_chunk_elements
+    head = resolve_chunks(chunks[1], tokens, text.vocab_size, hidden, min_tokens, max_elements)
+    head_rows = math.ceil(tokens / max(1, min(head, tokens)))
+    if chunking == "tokens":
+        mlp = resolve_chunks(chunks[0], tokens, width, hidden, min_tokens, max_elements)
+        return math.ceil(tokens / max(1, min(mlp, tokens))), head_rows
+    if chunking != "memo":
+        raise ValueError(f"chunking must be 'tokens' or 'memo', got {chunking!r}")
+    per_row_min, per_row_max = -(-min_tokens // batch_size), max(1, max_elements // batch_size)
+    mlp = resolve_chunks(chunks[0], seq_len, width, hidden, per_row_min, per_row_max)
+    return math.ceil(seq_len / max(1, min(mlp, seq_len))) * batch_size, head_rows
+
+
+class FittedFootprint:
+    """Peak device and host memory of one mode at any length, from its closed form.
+
+    Args:
+        profiler_for: ``profiler_for(chunks)`` -> a :class:`StepProfiler` of the mode with those chunk settings
+            (ignored by modes that chunk nothing); its profiles must build a fresh model each (``fresh=True``).
+        chunking: the mode's chunk rule (``"tokens"``, ``"memo"``) or ``None`` if it chunks nothing.
+        max_seq_len: the longest length the model's positions allow (profiles stay within it).
+    """
+
+    def __init__(
+        self,
+        profiler_for: Callable[[Chunks], StepProfiler],
+        chunking: str | None,
+        max_seq_len: int = 1 << 24,
+    ) -> None:
+        base = profiler_for(BASE_CHUNKS)
+        self.config, self.layers, self.batch_size = base.config, base.layers, base.batch_size
+        self.chunking = chunking
+        shallow, deeper = base.profile_layers
+        self.depths = (self.layers,) if self.layers <= deeper else (shallow, deeper)
+        longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
+        self.seq_lens = (longer // 2, longer)
+        plan: list[tuple[int, int, Chunks]] = [(d, s, BASE_CHUNKS) for s in self.seq_lens for d in self.depths]
+        if chunking is not None:
+            plan += [(self.depths[0], longer, (MORE_CHUNKS, 2)), (self.depths[0], longer, (2, MORE_CHUNKS))]
+        profilers = {BASE_CHUNKS: base}
+        samples: list[tuple[StepSize, AllocationTrace]] = []
+        self._traces: dict[tuple[int, int, Chunks], AllocationTrace] = {}
+        for layers, seq_len, chunks in plan:
+            if chunks not in profilers:
+                profilers[chunks] = profiler_for(chunks)
+            trace = self._traces[(layers, seq_len, chunks)] = profilers[chunks].trace(seq_len, layers)
+            samples.append((self.size(seq_len, layers, chunks), trace))
+        self.profiles = len(samples)
+        self._device = ClosedForm(samples, "device")
+        self._host = ClosedForm(samples, "host")
+        self.method = (
+            f"closed form fitted to {self.profiles} fresh fake-tensor profiles ("
+            + (f"{' and '.join(map(str, self.depths))} of {self.layers} layers, " if len(self.depths) > 1 else "")
+            + f"{self.seq_lens[0]:,} and {self.seq_lens[1]:,} tokens"
+            + (", chunk rows from the runtime's rule" if chunking else "")
+            + ")"
+        )
+
+    def trace(self, layers: int, seq_len: int, chunks: Chunks) -> AllocationTrace:
+        """One of the profiles the closed form was fitted to."""
+        return self._traces[(layers, seq_len, chunks)]
+
+    def size(self, seq_len: int, layers: int | None = None, chunks: Chunks = AUTO_CHUNKS) -> StepSize:
+        """The closed form's sizes of a step of ``(batch_size, seq_len)`` with ``layers`` (default all)."""
+        layers = self.layers if layers is None else layers
+        layer_terms = len(self.depths) > 1  # one depth profiled (the whole model): no layer terms to fit
+        tokens = self.batch_size * seq_len
+        if self.chunking is None:
+            return StepSize(layers, tokens, layer_terms=layer_terms)
+        mlp_rows, head_rows = chunk_rows(self.config, self.chunking, self.batch_size, seq_len, chunks)
+        return StepSize(layers, tokens, mlp_rows, head_rows, layer_terms)
+
+    def footprint(self, seq_len: int, layers: int | None = None) -> Footprint:
+        """Peak device and host bytes of a step of ``(batch_size, seq_len)`` with ``layers`` (default all)."""
+        size = self.size(seq_len, layers)
+        layers = self.layers if layers is None else layers
+        return Footprint(seq_len, self._device.peak(size), self._host.peak(size), layers, self.method)

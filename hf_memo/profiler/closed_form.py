@@ -1,0 +1,134 @@
+"""A step's peak memory in closed form: each phase's peak as a line in the step's sizes, fitted to a few profiles.
+
+:mod:`.extrapolate` cuts a trace into runs of one phase ("slots": the embedding, the first and last decoder
+layer in each direction, the head, the optimizer) and shows that each slot's peak, by category, is linear in
+the number of layers ``n``. It is also linear in the tokens ``T = B * S`` at a fixed depth (every tensor of a
+step is a fixed number of rows of tokens, or does not depend on them), and the bytes alive when a slot starts
+grow with the layers before it, so the slot's peak is bilinear: ``c0 + c1 n + c2 T + c3 n T``. Chunked ops
+(mini-sequence MLP and LM head) add the rows of their largest chunk: the transient of one chunk is
+``L_mlp`` or ``L_head`` rows, whatever the chunk count. With features ``x = (1, n, T, nT, L_mlp, L_head)``,
+each slot's peak by category is ``x · c`` for one coefficient vector per slot and category; six profiles with
+independent features fix them, and the step's peak at any size is the highest slot's value, computed at once.
+Profiles of modes that chunk nothing leave the last two features out (four profiles).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hf_memo.profiler.analysis import Peak, layer_count
+from hf_memo.profiler.extrapolate import slot_name, target_phase
+from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
+
+MomentKey = tuple[str, int, str]  # (slot, occurrence, op)
+
+
+def moment_peaks(trace: AllocationTrace, location: str = "device") -> dict[MomentKey, Peak]:
+    """Per slot (see :func:`~hf_memo.profiler.extrapolate.slot_peaks`) and per op, the most bytes alive right after
+    a malloc that op made in the slot (``"start"``: when the slot begins).
+
+    A slot's peak is the highest of its moments'. Moments of one op are alike whatever the chunk count (the
+    same op at the same point of each chunk), so each is one line in the step's sizes, where a whole slot's
+    peak may switch from one kind of moment to another (a chunk's transient when chunks are long, attention's
+    backward when they are short).
+    """
+    layers = layer_count(trace)
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    live = 0
+    peaks: dict[MomentKey, Peak] = {}
+    seen: Counter[str] = Counter()
+    slot_key: tuple[str, int] | None = None
+    previous_phase = None
+    for index, event in enumerate(trace.events):
+        if event.phase != previous_phase:
+            previous_phase = event.phase
+            slot = slot_name(event.phase, layers)
+            slot_key = None if slot is None else (slot, seen[slot])
+            if slot is not None:
+                seen[slot] += 1
+                peaks[(*slot_key, "start")] = Peak(live, dict(by_category), index, event.phase)
+        if event.location != location:
+            continue
+        sign = 1 if event.op == "malloc" else -1
+        live += sign * event.size
+        by_category[event.category] += sign * event.size
+        if slot_key is not None and event.op == "malloc":
+            key = (*slot_key, event.source or "tracked")
+            if key not in peaks or live > peaks[key].total:
+                peaks[key] = Peak(live, dict(by_category), index, event.phase)
+    return peaks
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """The sizes a step's memory depends on: decoder layers, tokens ``B * S`` and the largest chunks' rows.
+
+    ``mlp_rows`` / ``head_rows`` are the tokens of the largest mini-sequence chunk of the MLP and of the LM head
+    (``None`` for modes that do not chunk them). Without ``layer_terms`` (profiles of the whole model at one
+    depth) the features leave ``n`` and ``nT`` out.
+    """
+
+    layers: int
+    tokens: int
+    mlp_rows: int | None = None
+    head_rows: int | None = None
+    layer_terms: bool = True
+
+    def features(self) -> np.ndarray:
+        """``(1, n, T, nT[, L_mlp, L_head])`` as float64 (``(1, T[, L_mlp, L_head])`` without layer terms)."""
+        n, t = float(self.layers), float(self.tokens)
+        base = [1.0, n, t, n * t] if self.layer_terms else [1.0, t]
+        if self.mlp_rows is None or self.head_rows is None:
+            return np.array(base)
+        return np.array(base + [float(self.mlp_rows), float(self.head_rows)])
+
+
+class ClosedForm:
+    """Per-slot, per-category lines fitted to profiles of one step at several sizes.
+
+    Args:
+        samples: ``(size, trace)`` pairs, as many as there are features (or more: least squares); every trace
+            must have the same slots (same phases) and the sizes' features must be linearly independent.
+        location: ``"device"`` or ``"host"``.
+    """
+
+    def __init__(self, samples: Sequence[tuple[StepSize, AllocationTrace]], location: str = "device") -> None:
+        features = np.stack([size.features() for size, _ in samples])
+        if features.shape[0] < features.shape[1] or np.linalg.matrix_rank(features) < features.shape[1]:
+            raise ValueError(
+                f"need {features.shape[1]} profiles with independent sizes to fit a closed form, got "
+                f"{[size for size, _ in samples]}"
+            )
+        slots = [moment_peaks(trace, location) for _, trace in samples]
+        phases = {key[:2] for key in slots[0]}
+        for size, found in zip((size for size, _ in samples), slots):
+            if {key[:2] for key in found} != phases:
+                raise ValueError(
+                    f"the profile at {size} has other phases than the first "
+                    f"({sorted(phases ^ {key[:2] for key in found})}); profile at a size in the same regime"
+                )
+        keys = [key for key in slots[0] if all(key in found for found in slots)]  # moments every profile has
+        self.width = features.shape[1]
+        self.location = location
+        values = np.array([[[s[key].by_category[c] for c in CATEGORIES] for key in keys] for s in slots], dtype=float)
+        flat = values.reshape(len(samples), -1)  # samples x (slots * categories)
+        solution, *_ = np.linalg.lstsq(features, flat, rcond=None)
+        self._keys: list[MomentKey] = keys
+        self._coefficients = solution.reshape(self.width, len(self._keys), len(CATEGORIES))
+
+    def peak(self, size: StepSize) -> Peak:
+        """The peak at ``location`` of the step of ``size``: the highest slot's value, by category."""
+        x = size.features()
+        if x.shape[0] != self.width:
+            raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
+        values = np.rint(np.einsum("f,fkc->kc", x, self._coefficients)).astype(np.int64)
+        totals = values.sum(axis=1)
+        best = int(np.argmax(totals))
+        if totals[best] <= 0:
+            return Peak(0)
+        by_category = {c: int(v) for c, v in zip(CATEGORIES, values[best])}
+        return Peak(int(totals[best]), by_category, -1, target_phase(self._keys[best][0], size.layers))

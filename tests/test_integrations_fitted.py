@@ -1,0 +1,53 @@
+"""The closed form against direct fake-tensor profiles of the same setup, each in a fresh model (Llama-3-8B)."""
+
+import pytest
+import torch
+
+from hf_memo.integrations.fitted import FittedFootprint, chunk_rows
+from hf_memo.integrations.setups import AUTO_CHUNKS, MODES, memo_with_offload
+from hf_memo.profiler.footprint import StepProfiler
+from hf_memo.profiler.shapes import builtin_config
+
+CONFIG = builtin_config("llama-3-8b")
+
+
+def _profiler_for(mode):
+    spec = MODES[mode]
+
+    def profiler_for(chunks):
+        configure = (
+            memo_with_offload(0.0, chunks)
+            if mode == "memo"
+            else (lambda model: spec.configure_chunked(model, None, chunks))
+        )
+        return StepProfiler(
+            CONFIG,
+            lambda model, _s: (configure(model), model)[1],
+            torch.bfloat16,
+            profile_layers=spec.profile_layers,
+            fresh=True,
+        )
+
+    return profiler_for
+
+
+def test_chunk_rows_follow_the_runtime_rule():
+    # LM head: 128256 / 4096 -> 32 chunks up to 2^28 / 128256 = 2092 rows each, then more (a divisor if one is near)
+    assert chunk_rows(CONFIG, "tokens", 1, 16384) == (4096, 1024)  # 32 head chunks would be under 1,024 tokens
+    assert chunk_rows(CONFIG, "tokens", 1, 131072) == (16384, 2048)
+    assert chunk_rows(CONFIG, "memo", 2, 131072)[0] == 2 * 131072 // 16  # per sequence, 2^27 elements per row
+    assert chunk_rows(CONFIG, "tokens", 1, 1024) == (1024, 1024)  # short: one chunk
+
+
+@pytest.mark.parametrize(
+    "mode,lengths",
+    [("minseq", (16384, 65536, 262144)), ("memo", (65536,))],
+)
+def test_the_closed_form_is_within_one_percent_of_direct_profiles(mode, lengths):
+    profiler_for = _profiler_for(mode)
+    fitted = FittedFootprint(profiler_for, MODES[mode].chunking)
+    for seq_len in lengths:  # each in the regime of its own chunk counts (4 to 16 MLP chunks, 32 to 128 head chunks)
+        direct = profiler_for(AUTO_CHUNKS).footprint(seq_len)
+        fast = fitted.footprint(seq_len)
+        assert fast.device.total == pytest.approx(direct.device.total, rel=0.01), seq_len
+        assert fast.host.total == pytest.approx(direct.host.total, rel=0.01, abs=1), seq_len
