@@ -69,7 +69,6 @@ def main() -> None:
         lambda fraction, chunks: _profiler(config, memo_with_offload(fraction, chunks), "memo"),
         1,
         gpu_of(DEFAULT_GPU),
-        allow_x_only=True,
     )
     choice = memo.choose(seq_len, Budget(gpu_bytes, host_bytes))
     profile = memo.profile(seq_len)

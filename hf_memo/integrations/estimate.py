@@ -407,13 +407,12 @@ def memo_model(job: _Job, search_limit: int) -> MemoModel:
     def profiler_for(fraction: float, chunks: Chunks) -> StepProfiler:
         return job.profiler("memo", memo_with_offload(fraction, chunks))
 
-    allow_x_only = not getattr(job.config.get_text_config(), "attention_dropout", 0.0)
     probe = profiler_for(0.0, ("auto", "auto"))
     adjust = job.adjust(probe.model(MODES["memo"].profile_layers[0]))
     k = job.cluster.sequence_parallel
     return _cached(
         job.key("memo"),
-        lambda: MemoModel(profiler_for, job.batch_size, job.gpu, allow_x_only, search_limit, k, adjust),
+        lambda: MemoModel(profiler_for, job.batch_size, job.gpu, search_limit, k, adjust),
     )
 
 

@@ -148,7 +148,6 @@ class MemoModel:
             mode with that fixed offload fraction, those chunk settings and no host limit.
         batch_size: sequences per step.
         gpu: peak FLOP/s and host bandwidth of the cost model.
-        allow_x_only: whether layers may keep ``X`` only (not with attention dropout).
         max_seq_len: the longest length the model's positions allow.
         sequence_parallel: ranks ``K`` a sequence is split over: profiles are of one rank's ``S / K`` tokens, FLOPs
             of one rank's share.
@@ -161,7 +160,6 @@ class MemoModel:
         profiler_for: Callable[[float, Chunks], StepProfiler],
         batch_size: int,
         gpu: Gpu,
-        allow_x_only: bool,
         max_seq_len: int = 1 << 24,
         sequence_parallel: int = 1,
         adjust: Callable[[Peak, int], tuple[Peak, int]] | None = None,
@@ -173,7 +171,6 @@ class MemoModel:
         self.batch_size = self._batch_size = batch_size
         self.sequence_parallel = sequence_parallel
         self.gpu = gpu
-        self.allow_x_only = allow_x_only
         self._adjust = adjust
         depth, seq_len = self.fitted.depths[0], self.fitted.seq_lens[-1]
         largest = profiler_for(1.0, BASE_CHUNKS)
@@ -223,7 +220,7 @@ class MemoModel:
         """The smallest ``max`` of the device, host and pinned shares of any policy (the search's measure of fitting),
         and the constraint that sets it."""
         profile = self.profile(seq_len)
-        stash = profile.costs.stash_bytes(not self.allow_x_only, 0.0)
+        stash = profile.costs.stash_bytes(False, 0.0)  # X only, alpha 0: the smallest stash
         n = self.layers
         best, binding = float("inf"), "device"
         for on_device in range(min(2, n), n + 1):
@@ -247,7 +244,6 @@ class MemoModel:
                 max(budget.device - profile.base_bytes, 0.0),
                 host_budget,
                 ALPHA_STEPS,
-                self.allow_x_only,
             )
         except PolicyDoesNotFit as error:
             return MemoChoice(None, profile.device, Peak(0), str(error))

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-import hf_memo
-from hf_memo.patches.apply import causal_lm_of
+from hf_memo.patches.apply import apply, causal_lm_of
 from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
@@ -51,7 +50,7 @@ def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
 
 def _minseq(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNKS) -> None:
     _hf_checkpointing(model, host_memory)
-    hf_memo.apply(model, mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
+    apply(model, mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
 
 
 UNLIMITED_HOST = 2**50
@@ -61,7 +60,7 @@ def _memo(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNK
     # alpha = 0: the device peak hardly depends on alpha (offloaded tokens end up on the host, the others keep
     # nothing), and the host memory shown is memo's minimum: each swapped layer's input and attention output.
     limit = UNLIMITED_HOST if host_memory is None else host_memory
-    hf_memo.apply(
+    apply(
         model,
         recompute="memo",
         offload_fraction=0.0,
@@ -76,7 +75,7 @@ def memo_with_offload(fraction: float, chunks: Chunks = AUTO_CHUNKS) -> Callable
     (what the estimator's memory policy profiles: the bytes a layer stashes at ``alpha = 0`` and ``alpha = 1``)."""
 
     def configure(model: nn.Module) -> None:
-        hf_memo.apply(
+        apply(
             model,
             recompute="memo",
             offload_fraction=fraction,
