@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 import hf_memo
 from hf_memo import MemoCallback, MemoConfig
 from tests.conftest import build_model
-from tests.test_integrations_trainer import TokenRows, make_trainer, train_losses
+from tests.test_integrations_trainer import TokenRows, make_trainer, one_thread, train_losses  # noqa: F401
 
 MODES = {
     "none": MemoConfig(mlp_chunks=3, lm_head_chunks=2),
@@ -28,14 +28,6 @@ MODES = {
     "selective": MemoConfig(recompute="selective", mlp_chunks=3, lm_head_chunks=2),
     "memo": MemoConfig(recompute="memo", offload_fraction=0.5, mlp_chunks=3, lm_head_chunks=2, planner="greedy"),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _lora_model() -> torch.nn.Module:

@@ -14,14 +14,13 @@ Profiles of modes that chunk nothing leave the last two features out (four profi
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from hf_memo.profiler.analysis import Peak, layer_count
-from hf_memo.profiler.extrapolate import slot_name, target_phase
+from hf_memo.profiler.analysis import Peak
+from hf_memo.profiler.extrapolate import slot_walk, target_phase
 from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
 
 MomentKey = tuple[str, int, str]  # (slot, occurrence, op)
@@ -36,27 +35,13 @@ def moment_peaks(trace: AllocationTrace, location: str = "device") -> dict[Momen
     peak may switch from one kind of moment to another (a chunk's transient when chunks are long, attention's
     backward when they are short).
     """
-    layers = layer_count(trace)
-    by_category = dict.fromkeys(CATEGORIES, 0)
-    live = 0
     peaks: dict[MomentKey, Peak] = {}
-    seen: Counter[str] = Counter()
-    slot_key: tuple[str, int] | None = None
-    previous_phase = None
-    for index, event in enumerate(trace.events):
-        if event.phase != previous_phase:
-            previous_phase = event.phase
-            slot = slot_name(event.phase, layers)
-            slot_key = None if slot is None else (slot, seen[slot])
-            if slot is not None:
-                seen[slot] += 1
-                peaks[(*slot_key, "start")] = Peak(live, dict(by_category), index, event.phase)
-        if event.location != location:
+    for index, event, slot_key, starts, live, by_category in slot_walk(trace, location):
+        if slot_key is None:
             continue
-        sign = 1 if event.op == "malloc" else -1
-        live += sign * event.size
-        by_category[event.category] += sign * event.size
-        if slot_key is not None and event.op == "malloc":
+        if starts:
+            peaks[(*slot_key, "start")] = Peak(live, dict(by_category), index, event.phase)
+        elif event.op == "malloc":
             key = (*slot_key, event.source or "tracked")
             if key not in peaks or live > peaks[key].total:
                 peaks[key] = Peak(live, dict(by_category), index, event.phase)

@@ -13,9 +13,10 @@ run's line; the extrapolated peak is the highest run's value at the target depth
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 from hf_memo.profiler.analysis import Peak, layer_count
-from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
+from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 
 SlotKey = tuple[str, int]
 
@@ -32,12 +33,18 @@ def slot_name(phase: str, layers: int) -> str | None:
     return None
 
 
-def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey, Peak]:
-    """The peak of each run of one phase, keyed by ``(slot, occurrence)`` (middle layers left out)."""
+def slot_walk(
+    trace: AllocationTrace, location: str = "device"
+) -> Iterator[tuple[int, AllocationEvent, SlotKey | None, bool, int, dict[str, int]]]:
+    """Walk ``trace`` run by run of its phases: ``(index, event, slot key, starts, live bytes, live by category)``.
+
+    Each run of one phase is keyed ``(slot, occurrence)`` (``None`` for middle layers). A run's first event is
+    yielded first with ``starts=True`` and the bytes alive before it; every event at ``location`` is then
+    yielded with the bytes alive after it. ``live by category`` is updated in place: copy it to keep it.
+    """
     layers = layer_count(trace)
     by_category = dict.fromkeys(CATEGORIES, 0)
     live = 0
-    peaks: dict[SlotKey, Peak] = {}
     seen: Counter[str] = Counter()
     key: SlotKey | None = None
     previous_phase = None
@@ -48,12 +55,19 @@ def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey
             key = None if slot is None else (slot, seen[slot])
             if slot is not None:
                 seen[slot] += 1
-                peaks[key] = Peak(live, dict(by_category), index, event.phase)
+                yield index, event, key, True, live, by_category
         if event.location == location:
             sign = 1 if event.op == "malloc" else -1
             live += sign * event.size
             by_category[event.category] += sign * event.size
-        if key is not None and live > peaks[key].total:
+            yield index, event, key, False, live, by_category
+
+
+def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey, Peak]:
+    """The peak of each run of one phase, keyed by ``(slot, occurrence)`` (middle layers left out)."""
+    peaks: dict[SlotKey, Peak] = {}
+    for index, event, key, starts, live, by_category in slot_walk(trace, location):
+        if key is not None and (starts or live > peaks[key].total):
             peaks[key] = Peak(live, dict(by_category), index, event.phase)
     return peaks
 
