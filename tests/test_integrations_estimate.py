@@ -184,3 +184,15 @@ def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
     assert eight.modes["minseq"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
     assert eight.modes["minseq"].binding in ("device", "host", "pinned")
     assert "8 GPUs (8 per node), sequence parallel 8, ZeRO-3, optimizer offloaded to the host" in eight.table()
+
+
+def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes(config_path, monkeypatch):
+    from hf_memo.integrations import estimate as module
+
+    answers = []
+    for workers, modes in [(1, ("memo", "vanilla")), (2, ("vanilla", "memo"))]:
+        monkeypatch.setattr(module, "_CLOSED_FORMS", {})  # profile everything again
+        found = estimate(config_path, 4096, gpu_memory=24 * MiB, host_memory=8 * MiB, modes=modes, workers=workers)
+        answers.append({mode: found.modes[mode].to_dict() for mode in sorted(modes)})
+    assert answers[0] == answers[1]
+    assert answers[0]["memo"]["longest_seq_len"] > answers[0]["vanilla"]["longest_seq_len"]

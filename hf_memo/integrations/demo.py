@@ -40,7 +40,6 @@ from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.units import format_bytes
 
-HELP = "Fine-tune a small Llama on the LongAlpaca sample on CPU with hf_memo and with plain Hugging Face; compare."
 SAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "longalpaca"
 PLOT_FILE = "memory_timeline.png"
 IGNORE = -100

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from hf_memo.integrations.cluster import Cluster, ModelStates, all_to_all_bytes, rank_peak
-from hf_memo.integrations.fitted import FittedFootprint
+from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan
 from hf_memo.integrations.memo_estimate import (
     DEFAULT_GPU,
     GPUS,
@@ -41,6 +41,7 @@ from hf_memo.integrations.memo_estimate import (
     step_seconds,
 )
 from hf_memo.integrations.setups import (
+    AUTO_CHUNKS,
     DEFAULT_MODES,
     DTYPES,
     LORA_RANK,
@@ -64,9 +65,9 @@ from hf_memo.profiler.search import longest_fitting
 from hf_memo.profiler.shapes import SHAPE_NAMES
 from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.profiler.workers import run_side_by_side
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
-HELP = "Estimate peak GPU and host memory of a training step per mode, and the longest sequence that fits."
 SCAN = 0.02  # past the bisection's answer, lengths up to this fraction longer are checked too (chunk rows vary)
 
 
@@ -205,15 +206,9 @@ def _longest_fitting(usage: Callable[[int], float], start: int, limit: int) -> i
     return longest
 
 
-_CLOSED_FORMS: dict[tuple, Any] = {}  # this process's closed forms: a repeated question profiles nothing
-
-
-def _cached(key: tuple, build: Callable[[], Any]) -> Any:
-    """The closed form (or memo model) for ``key``, built once per process. Profiles are deterministic and each
-    starts from a fresh model, so reusing one changes no answer; it only skips the profiling."""
-    if key not in _CLOSED_FORMS:
-        _CLOSED_FORMS[key] = build()
-    return _CLOSED_FORMS[key]
+# This process's closed forms, by what they depend on: a repeated question profiles nothing. Profiles are
+# deterministic and each starts from a fresh model, so reusing a closed form changes no answer.
+_CLOSED_FORMS: dict[tuple, Any] = {}
 
 
 class _Job:
@@ -261,10 +256,6 @@ class _Job:
             configure(model)
             return model
 
-        def on_profile(layers: int, tokens: int) -> None:
-            self.bar.set_postfix_str(f"{mode}, {layers} layers, S={tokens:,}")
-            self.bar.update()
-
         meta = {"model": self.name, "mode": mode, "dtype": self.dtype_name, "trainable": self.trainable}
         return StepProfiler(
             self.config,
@@ -272,11 +263,40 @@ class _Job:
             self.dtype,
             self.batch_size,
             self.optimizer,
-            on_profile,
-            meta,
-            MODES[mode].profile_layers,
+            meta=meta,
+            profile_layers=MODES[mode].profile_layers,
             fresh=True,
         )
+
+    def profiler_for(self, mode: str) -> Callable[[Chunks], StepProfiler]:
+        """``profiler_for(chunks)``: fresh-model profilers of a mode other than memo with those chunk settings."""
+        spec = MODES[mode]
+
+        def profiler_for(chunks: Chunks) -> StepProfiler:
+            if spec.configure_chunked is not None:
+                return self.profiler(mode, lambda model: spec.configure_chunked(model, self.budget.host, chunks))
+            return self.profiler(mode, lambda model: spec.configure(model, self.budget.host))
+
+        return profiler_for
+
+    def memo_profiler_for(self, fraction: float, chunks: Chunks) -> StepProfiler:
+        """A fresh-model profiler of the memo mode with a fixed offload fraction and those chunk settings."""
+        return self.profiler("memo", memo_with_offload(fraction, chunks))
+
+    def profile_jobs(self, mode: str) -> list[Callable[[], AllocationTrace]]:
+        """The profiles ``mode``'s closed form is fitted to (see :meth:`closed_form`), as jobs."""
+        if mode == "memo":
+            return MemoModel.jobs(self.memo_profiler_for, self.search_limit)
+        base = self.profiler_for(mode)(BASE_CHUNKS)
+        return ProfilePlan.of(base, MODES[mode].chunking, self.search_limit).jobs(self.profiler_for(mode))
+
+    def closed_form(self, mode: str, traces: Sequence[AllocationTrace]) -> FittedFootprint | MemoModel:
+        """``mode``'s closed form (memo: its :class:`MemoModel`) from the results of :meth:`profile_jobs`."""
+        if mode == "memo":
+            adjust = self.adjust(self.memo_profiler_for(0.0, AUTO_CHUNKS).model(MODES["memo"].profile_layers[0]))
+            k = self.cluster.sequence_parallel
+            return MemoModel(self.memo_profiler_for, self.batch_size, self.gpu, self.search_limit, k, adjust, traces)
+        return FittedFootprint(self.profiler_for(mode), MODES[mode].chunking, self.search_limit, traces)
 
     def states(self, model: nn.Module) -> ModelStates:
         """The whole model's parameter, gradient and optimizer bytes (from a profiled model)."""
@@ -313,17 +333,13 @@ class _Job:
         return adjust
 
 
-def _mode_estimate(job: _Job, mode: str, seq_len: int, search: bool) -> tuple[ModeEstimate, StepProfiler]:
+def _mode_estimate(
+    job: _Job, mode: str, fitted: FittedFootprint, seq_len: int, search: bool
+) -> tuple[ModeEstimate, StepProfiler]:
     """A mode whose memory is what its closed form shows (every mode but memo)."""
     spec = MODES[mode]
-
-    def profiler_for(chunks: Chunks) -> StepProfiler:
-        if spec.configure_chunked is not None:
-            return job.profiler(mode, lambda model: spec.configure_chunked(model, job.budget.host, chunks))
-        return job.profiler(mode, lambda model: spec.configure(model, job.budget.host))
-
-    fitted = _cached(job.key(mode), lambda: FittedFootprint(profiler_for, spec.chunking, job.search_limit))
-    model = profiler_for(("auto", "auto")).model(fitted.depths[0])
+    profiler = job.profiler_for(mode)(AUTO_CHUNKS)
+    model = profiler.model(fitted.depths[0])
     adjust, cluster = job.adjust(model), job.cluster
 
     def at(length: int) -> tuple[Footprint, dict[str, float]]:
@@ -361,7 +377,7 @@ def _mode_estimate(job: _Job, mode: str, seq_len: int, search: bool) -> tuple[Mo
         mfu=mfu,
         binding=binding,
     )
-    return result, profiler_for(("auto", "auto"))
+    return result, profiler
 
 
 MEMO_DESCRIPTION = (
@@ -401,19 +417,32 @@ def memo_mode_estimate(memo: MemoModel, seq_len: int, budget: Budget, search: bo
     )
 
 
-def memo_model(job: _Job, search_limit: int) -> MemoModel:
-    """The memo mode's model of one rank (fresh profiles, closed form, cluster share)."""
+PROFILE_WEIGHT = {"memo": 3.0, "minseq": 1.5, "hf-checkpointing": 1.2}  # one profile's time, relative to vanilla's
 
-    def profiler_for(fraction: float, chunks: Chunks) -> StepProfiler:
-        return job.profiler("memo", memo_with_offload(fraction, chunks))
 
-    probe = profiler_for(0.0, ("auto", "auto"))
-    adjust = job.adjust(probe.model(MODES["memo"].profile_layers[0]))
-    k = job.cluster.sequence_parallel
-    return _cached(
-        job.key("memo"),
-        lambda: MemoModel(profiler_for, job.batch_size, job.gpu, search_limit, k, adjust),
-    )
+def closed_forms(job: _Job, modes: Sequence[str], workers: int | None) -> dict[str, Any]:
+    """Each mode's closed form (memo: its :class:`MemoModel`). The profiles of every mode not fitted before in this
+    process run side by side (see :func:`~hf_memo.profiler.workers.run_side_by_side`), the slowest first."""
+    missing = [mode for mode in modes if job.key(mode) not in _CLOSED_FORMS]
+    jobs = {mode: job.profile_jobs(mode) for mode in missing}
+    order = [(mode, index) for mode in missing for index in range(len(jobs[mode]))]
+    order.sort(key=lambda item: -PROFILE_WEIGHT.get(item[0], 1.0))
+    job.bar.reset(total=len(order))
+    done: dict[str, int] = dict.fromkeys(missing, 0)
+
+    def on_done(position: int) -> None:
+        mode = order[position][0]
+        done[mode] += 1
+        job.bar.set_postfix_str(f"{mode} {done[mode]}/{len(jobs[mode])}")
+        job.bar.update()
+
+    traces = run_side_by_side([jobs[mode][index] for mode, index in order], workers, on_done)
+    by_mode: dict[str, list[AllocationTrace]] = {mode: [None] * len(jobs[mode]) for mode in missing}  # type: ignore[misc]
+    for (mode, index), trace in zip(order, traces):
+        by_mode[mode][index] = trace
+    for mode in missing:
+        _CLOSED_FORMS[job.key(mode)] = job.closed_form(mode, by_mode[mode])
+    return {mode: _CLOSED_FORMS[job.key(mode)] for mode in modes}
 
 
 def estimate(
@@ -432,6 +461,7 @@ def estimate(
     gpu: str = DEFAULT_GPU,
     cluster: Cluster | None = None,
     pinned_memory: int | str | None = None,
+    workers: int | None = None,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -454,6 +484,8 @@ def estimate(
         gpu: the GPU whose peak FLOP/s and host bandwidth bound the step time (``"h100"``, ``"h200"``, ``"a100"``).
         cluster: ranks, sequence parallelism, ZeRO stage and optimizer offload (default: one GPU).
         pinned_memory: host memory per node offloaded activations may pin (default: all of ``host_memory``).
+        workers: processes that run the profiles side by side (default: one per CPU this process may use; the
+            answer does not depend on it).
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -488,12 +520,13 @@ def estimate(
     traces: dict[str, AllocationTrace] = {}
     try:
         job = _Job(config, name, dtype, batch_size, optimizer, trainable, cluster, spec, budget, search_limit, bar)
+        forms = closed_forms(job, modes, workers)
         for mode in modes:
             if mode == "memo":
-                results[mode] = memo_mode_estimate(memo_model(job, search_limit), seq_len, budget, search, search_limit)
+                results[mode] = memo_mode_estimate(forms[mode], seq_len, budget, search, search_limit)
                 profiler = job.profiler(mode, memo_with_offload(0.0))
             else:
-                results[mode], profiler = _mode_estimate(job, mode, seq_len, search)
+                results[mode], profiler = _mode_estimate(job, mode, forms[mode], seq_len, search)
             if keep_traces:
                 traces[mode] = profiler.trace(cluster.rank_seq_len(seq_len))
     finally:
@@ -563,6 +596,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
     )
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
+    parser.add_argument(
+        "--jobs", default=None, help="processes that profile side by side (default: one per CPU this process may use)"
+    )
     parser.add_argument("--no-search", action="store_true", help="skip the search for the longest sequence")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", default=None, help="write a memory timeline PNG of each mode here")
@@ -601,6 +637,7 @@ def run(args: argparse.Namespace) -> int:
         gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
         cluster=cluster_of(args),
         pinned_memory=None if args.pinned_memory is None else parse("--pinned-memory", parse_bytes, args.pinned_memory),
+        workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
     )
     if args.trace_dir:
         folder = Path(args.trace_dir)

@@ -13,7 +13,9 @@ hf_memo runtime and host pool: no profile depends on another.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 from transformers import PretrainedConfig
 
@@ -55,6 +57,39 @@ def chunk_rows(
     return math.ceil(seq_len / max(1, min(mlp, seq_len))) * batch_size, head_rows
 
 
+ProfilePoint = tuple[int, int, Chunks]  # (layers, seq_len, chunk settings) of one profile
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """The profiles a mode's closed form is fitted to: its depths, its two lengths and every profile's point."""
+
+    depths: tuple[int, ...]
+    seq_lens: tuple[int, int]
+    points: tuple[ProfilePoint, ...]
+
+    @classmethod
+    def of(cls, base: StepProfiler, chunking: str | None, max_seq_len: int = 1 << 24) -> ProfilePlan:
+        """The plan for the mode ``base`` profiles (its layers and profile depths), chunked by ``chunking``."""
+        shallow, deeper = base.profile_layers
+        depths = (base.layers,) if base.layers <= deeper else (shallow, deeper)
+        longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
+        points = [(d, s, BASE_CHUNKS) for s in (longer // 2, longer) for d in depths]
+        if chunking is not None:
+            points += [(depths[0], longer, (MORE_CHUNKS, 2)), (depths[0], longer, (2, MORE_CHUNKS))]
+        return cls(depths, (longer // 2, longer), tuple(points))
+
+    def jobs(self, profiler_for: Callable[[Chunks], StepProfiler]) -> list[Callable[[], AllocationTrace]]:
+        """One job per point, tracing it with a profiler of the point's chunk settings (a fresh model each)."""
+        return [partial(trace_at, profiler_for, point) for point in self.points]
+
+
+def trace_at(profiler_for: Callable[[Chunks], StepProfiler], point: ProfilePoint) -> AllocationTrace:
+    """The profile at ``point`` by a profiler of its chunk settings."""
+    layers, seq_len, chunks = point
+    return profiler_for(chunks).trace(seq_len, layers)
+
+
 class FittedFootprint:
     """Peak device and host memory of one mode at any length, from its closed form.
 
@@ -63,6 +98,9 @@ class FittedFootprint:
             (ignored by modes that chunk nothing); its profiles must build a fresh model each (``fresh=True``).
         chunking: the mode's chunk rule (``"tokens"``, ``"memo"``) or ``None`` if it chunks nothing.
         max_seq_len: the longest length the model's positions allow (profiles stay within it).
+        traces: the profiles of ``ProfilePlan.of(profiler_for(BASE_CHUNKS), chunking, max_seq_len)``, in its
+            points' order, if they were run already (e.g. side by side with other modes'); by default they are run
+            here, one after the other.
     """
 
     def __init__(
@@ -70,25 +108,22 @@ class FittedFootprint:
         profiler_for: Callable[[Chunks], StepProfiler],
         chunking: str | None,
         max_seq_len: int = 1 << 24,
+        traces: Sequence[AllocationTrace] | None = None,
     ) -> None:
         base = profiler_for(BASE_CHUNKS)
         self.config, self.layers, self.batch_size = base.config, base.layers, base.batch_size
         self.chunking = chunking
-        shallow, deeper = base.profile_layers
-        self.depths = (self.layers,) if self.layers <= deeper else (shallow, deeper)
-        longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
-        self.seq_lens = (longer // 2, longer)
-        plan: list[tuple[int, int, Chunks]] = [(d, s, BASE_CHUNKS) for s in self.seq_lens for d in self.depths]
-        if chunking is not None:
-            plan += [(self.depths[0], longer, (MORE_CHUNKS, 2)), (self.depths[0], longer, (2, MORE_CHUNKS))]
-        profilers = {BASE_CHUNKS: base}
-        samples: list[tuple[StepSize, AllocationTrace]] = []
-        self._traces: dict[tuple[int, int, Chunks], AllocationTrace] = {}
-        for layers, seq_len, chunks in plan:
-            if chunks not in profilers:
-                profilers[chunks] = profiler_for(chunks)
-            trace = self._traces[(layers, seq_len, chunks)] = profilers[chunks].trace(seq_len, layers)
-            samples.append((self.size(seq_len, layers, chunks), trace))
+        plan = ProfilePlan.of(base, chunking, max_seq_len)
+        self.depths, self.seq_lens = plan.depths, plan.seq_lens
+        if traces is None:
+            traces = [job() for job in plan.jobs(profiler_for)]
+        if len(traces) != len(plan.points):
+            raise ValueError(f"the plan has {len(plan.points)} profiles, got {len(traces)} traces")
+        self._traces = dict(zip(plan.points, traces))
+        samples = [
+            (self.size(seq_len, layers, chunks), self._traces[layers, seq_len, chunks])
+            for layers, seq_len, chunks in plan.points
+        ]
         self.profiles = len(samples)
         self._device = ClosedForm(samples, "device")
         self._host = ClosedForm(samples, "host")

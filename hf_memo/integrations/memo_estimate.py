@@ -18,18 +18,20 @@ attention core ``2 * B * S² * a``; backward twice that (input gradients only fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 
-from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint
+from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan, trace_at
 from hf_memo.integrations.setups import Chunks
 from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
+from hf_memo.profiler.trace import AllocationTrace
 
 ALPHA_STEPS = 16  # the alpha grid the estimator solves on (the executor rounds down to its chunks)
 
@@ -153,6 +155,8 @@ class MemoModel:
             of one rank's share.
         adjust: ``adjust(device_peak, seq_len)`` -> ``(rank's device peak, host bytes of its model states)`` (see
             :func:`~hf_memo.integrations.cluster.rank_peak`); by default the single-GPU peak, nothing on the host.
+        traces: the results of :meth:`jobs` in their order, if they were run already (e.g. side by side with other
+            modes' profiles); by default they are run here, one after the other.
     """
 
     def __init__(
@@ -163,8 +167,12 @@ class MemoModel:
         max_seq_len: int = 1 << 24,
         sequence_parallel: int = 1,
         adjust: Callable[[Peak, int], tuple[Peak, int]] | None = None,
+        traces: Sequence[AllocationTrace] | None = None,
     ) -> None:
-        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len)
+        if traces is None:
+            traces = [job() for job in self.jobs(profiler_for, max_seq_len)]
+        *smallest, largest_trace = traces
+        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len, smallest)
         self.layers = self.fitted.layers
         if self.layers < 3:
             raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
@@ -173,14 +181,27 @@ class MemoModel:
         self.gpu = gpu
         self._adjust = adjust
         depth, seq_len = self.fitted.depths[0], self.fitted.seq_lens[-1]
-        largest = profiler_for(1.0, BASE_CHUNKS)
-        everything = peak(largest.trace(seq_len, depth), "host").total
+        everything = peak(largest_trace, "host").total
         fixed = peak(self.fitted.trace(depth, seq_len, BASE_CHUNKS), "host").total
         self._other_per_token = (everything - fixed) / ((depth - 2) * batch_size * seq_len)
         self.method = f"{self.fitted.method} at alpha 0, one more at alpha 1; memo's memory is its chosen policy's"
-        self.model = largest.model(depth)
+        self.model = profiler_for(1.0, BASE_CHUNKS).model(depth)
         self.flops = LayerFlops.of(self.model)
         self._profiles: dict[int, MemoProfile] = {}
+
+    @staticmethod
+    def jobs(
+        profiler_for: Callable[[float, Chunks], StepProfiler], max_seq_len: int = 1 << 24
+    ) -> list[Callable[[], AllocationTrace]]:
+        """The profiles the model is fitted to, as jobs: the closed form's at alpha 0, then one at alpha 1 (at the
+        shallower depth and the longer length)."""
+
+        def at_alpha(fraction: float) -> Callable[[Chunks], StepProfiler]:
+            return partial(profiler_for, fraction)
+
+        plan = ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len)
+        largest = (plan.depths[0], plan.seq_lens[-1], BASE_CHUNKS)
+        return plan.jobs(at_alpha(0.0)) + [partial(trace_at, at_alpha(1.0), largest)]
 
     def fixed_bytes(self, seq_len: int) -> float:
         """``S_in + S_attn``: host bytes one more swapped layer adds at ``seq_len`` (smallest MEMO policy)."""

@@ -43,7 +43,6 @@ from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
-HELP = "Plan the memory of one training step (offline DSA, bi-level) and compare it with PyTorch's caching allocator."
 DEFAULT_MODE = "memo"
 
 

@@ -1,0 +1,64 @@
+"""Independent profiles run side by side, one worker process per CPU this process may use.
+
+A fake-tensor profile is pure Python work on one core, and the profiles a closed form is fitted to do not depend
+on each other (each builds a fresh model). On Linux the workers are forked from the asking process once its
+imports are done, so they start at once, inherit the jobs (closures, never pickled) and send back only their
+results; elsewhere, or with one worker, the jobs run here, one after the other. Either way the results are the
+same and come back in the jobs' order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_JOBS: Sequence[Callable[[], Any]] = ()  # the jobs of the run in progress, inherited by its forked workers
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the system tells it, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _run(index: int) -> tuple[int, Any]:
+    return index, _JOBS[index]()
+
+
+def run_side_by_side(
+    jobs: Sequence[Callable[[], T]],
+    workers: int | None = None,
+    on_done: Callable[[int], None] | None = None,
+) -> list[T]:
+    """``[job() for job in jobs]``, computed by up to ``workers`` forked processes (default: :func:`usable_cpus`).
+
+    Jobs are handed out in order to whichever worker is free, so put the longest first. ``on_done(index)`` is
+    called here as each job's result arrives. A job's exception is raised here.
+    """
+    global _JOBS
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    count = min(workers or usable_cpus(), len(jobs))
+    results: list[Any] = [None] * len(jobs)
+    if count <= 1 or not sys.platform.startswith("linux"):
+        for index, job in enumerate(jobs):
+            results[index] = job()
+            if on_done is not None:
+                on_done(index)
+        return results
+    _JOBS = jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(count) as pool:
+            for index, result in pool.imap_unordered(_run, range(len(jobs))):
+                results[index] = result
+                if on_done is not None:
+                    on_done(index)
+    finally:
+        _JOBS = ()
+    return results
