@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -34,6 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hf_memo.profiler import placement
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 
+_DEVICE = torch.ops.prim.device.default
+_NAMES: dict[Any, str] = {}  # op -> its name ("aten.mm.default")
+_UNSEEN = object()
 LABELS = ("parameter", "buffer", "gradient", "optimizer", "activation")
 
 
@@ -65,6 +69,8 @@ class _Storage:
 
 
 def _storages(value: Any) -> list[torch.UntypedStorage]:
+    if isinstance(value, torch.Tensor):  # most ops' output: no need to flatten
+        return [value.untyped_storage()] if value.layout == torch.strided else []
     found = []
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
@@ -93,7 +99,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._info: dict[int, _Storage] = {}
         self._events: list[tuple[str, int, str]] = []  # (op, id, phase)
         self._sources: dict[int, str] = {}  # trace id -> the op whose output it first was
-        self._op: str | None = None  # the op being dispatched, after the one before it ("aten.silu > aten.mul")
+        self._op: tuple[str, str] | None = None  # the op before the one being dispatched, and that one
         self._previous_op = ""
         self._original_resize = torch.UntypedStorage.resize_
         self._recording = False
@@ -113,7 +119,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._ids[storage] = tensor_id
         self._refs[tensor_id] = weakref.ref(storage, partial(self._on_death, tensor_id))
         if self._op is not None:
-            self._sources[tensor_id] = self._op
+            self._sources[tensor_id] = " > ".join(self._op)
         self._retag(storage, tensor_id)
         self._events.append(("malloc", tensor_id, phase))
         return tensor_id
@@ -139,14 +145,13 @@ class AllocationRecorder(TorchDispatchMode):
 
         Empty storages hold no memory and get no id (resizing one to 0 bytes frees it).
         """
-        known = storage in self._ids
-        tensor_id = self._ids.get(storage)
+        tensor_id = self._ids.get(storage, _UNSEEN)  # None: seen empty
         size = storage.nbytes()
-        if tensor_id is not None and self._info[tensor_id].size == size:
-            return tensor_id
-        if tensor_id is not None:
+        if tensor_id is not None and tensor_id is not _UNSEEN:
+            if self._info[tensor_id].size == size:
+                return tensor_id
             self._free(tensor_id)
-        elif known and size == 0:
+        elif tensor_id is None and size == 0:
             return None
         if size == 0:
             self._ids[storage] = None
@@ -170,9 +175,13 @@ class AllocationRecorder(TorchDispatchMode):
             self._retag(storage, tensor_id)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is _DEVICE and is_fake(args[0]):
+            # Autograd and the optimizers ask every tensor its device, more often than all other ops together; it
+            # allocates nothing, so it is answered here as the fake tensor's own handler would.
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         out = func(*args, **(kwargs or {}))
-        name = str(func)
-        self._op, self._previous_op = f"{self._previous_op} > {name}", name
+        name = _NAMES.get(func) or _NAMES.setdefault(func, str(func))
+        self._op, self._previous_op = (self._previous_op, name), name
         try:
             for storage in _storages(out):
                 self._see(storage)
