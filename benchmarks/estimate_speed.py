@@ -1,8 +1,12 @@
 """Cold wall time of the documented ``hf-memo estimate`` questions, each alone in a fresh process.
 
 Each question runs as ``python -m hf_memo.integrations.cli estimate ...`` (imports included, no cache: nothing is
-cached between runs). The machine's load average is recorded before and after each run: on a shared machine the
-times are inflated by whatever else runs. Writes ``estimate_speed.{json,md}`` and each question's printed table.
+cached between runs), once as users run it (profiles side by side, one worker per usable CPU) and once with
+``--jobs 1`` (one after the other), back to back so both see the same machine. Besides the wall time, the CPU
+time of the process and its workers is recorded, and before each question the wall time of the imports alone
+(``import hf_memo.integrations.estimate``): on a shared machine all of them move together with whatever else
+runs, and the imports show how fast the machine was at that moment. Writes ``estimate_speed.{json,md}`` and
+each question's printed table.
 
     python benchmarks/estimate_speed.py                  # writes benchmarks/results/<date>-cpu/
     python benchmarks/estimate_speed.py --only 8gpu      # one question
@@ -14,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -32,21 +37,24 @@ QUESTIONS = {
     ),
 }
 ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def run(flags: str) -> tuple[float, str, tuple[float, float, float], tuple[float, float, float]]:
-    """Wall seconds, printed table, load averages before and after one question in a fresh process."""
-    before = os.getloadavg()
+def timed(command: list[str]) -> tuple[float, float, str]:
+    """Wall seconds, CPU seconds (the process and every child it waited for) and stdout of ``command``."""
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_memo.integrations.cli", "estimate", *flags.split()],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    )
-    return time.perf_counter() - start, done.stdout, before, os.getloadavg()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, check=True)
+    wall = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    return wall, cpu, done.stdout
+
+
+def question(flags: str, jobs: int | None) -> tuple[float, float, str]:
+    """One question in a fresh process (``jobs``: the ``--jobs`` flag, ``None`` for the default)."""
+    extra = [] if jobs is None else ["--jobs", str(jobs)]
+    return timed([sys.executable, "-m", "hf_memo.integrations.cli", "estimate", *flags.split(), *extra])
 
 
 def main() -> None:
@@ -58,25 +66,42 @@ def main() -> None:
     names = [args.only] if args.only else list(QUESTIONS)
     rows = []
     for name in names:
-        seconds, table, before, after = run(QUESTIONS[name])
+        imports, _, _ = timed([sys.executable, "-c", "import hf_memo.integrations.estimate"])
+        load = os.getloadavg()[0]
+        seconds, cpu, table = question(QUESTIONS[name], None)
+        one_seconds, one_cpu, one_table = question(QUESTIONS[name], 1)
+        if one_table != table:
+            raise RuntimeError(f"{name}: --jobs 1 printed another answer than the default")
         (out / f"estimate_{name}.txt").write_text(f"$ hf-memo estimate {QUESTIONS[name]}\n{table}")
         rows.append(
-            {"question": name, "flags": QUESTIONS[name], "seconds": seconds, "load_before": before, "load_after": after}
+            {
+                "question": name,
+                "flags": QUESTIONS[name],
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "one_worker_seconds": one_seconds,
+                "one_worker_cpu_seconds": one_cpu,
+                "imports_seconds": imports,
+                "load_before": load,
+            }
         )
-        print(f"{name}: {seconds:.1f} s (load {before[0]:.2f} -> {after[0]:.2f})", flush=True)
+        print(f"{name}: {seconds:.1f} s ({one_seconds:.1f} s with one worker, imports {imports:.1f} s)", flush=True)
     record = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "questions": rows}
     (out / "estimate_speed.json").write_text(json.dumps(record, indent=2))
     lines = [
         f"Cold wall time of `hf-memo estimate` questions, each alone in a fresh process ({record['machine']}, "
-        "shared: the 1-minute load average before and after each run is shown; a load above the core count "
-        "means other jobs competed for the CPUs).",
+        "shared with other machines' jobs: times move with them; the imports alone, timed right before each "
+        "question, show how fast the machine was then). Default: profiles side by side, one worker per CPU; "
+        "`--jobs 1`: one after the other, run right after. CPU time includes the workers'. Both print the same table.",
         "",
-        "| question | flags | wall time | load before / after |",
-        "|---|---|---|---|",
+        "| question | flags | wall time | CPU time | wall, `--jobs 1` | CPU, `--jobs 1` | imports alone "
+        "| load before |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['question']} | `{r['flags']}` | {r['seconds']:.1f} s | {r['load_before'][0]:.2f} / "
-        f"{r['load_after'][0]:.2f} |"
+        f"| {r['question']} | `{r['flags']}` | {r['seconds']:.1f} s | {r['cpu_seconds']:.1f} s | "
+        f"{r['one_worker_seconds']:.1f} s | {r['one_worker_cpu_seconds']:.1f} s | {r['imports_seconds']:.1f} s | "
+        f"{r['load_before']:.2f} |"
         for r in rows
     ]
     (out / "estimate_speed.md").write_text("\n".join(lines) + "\n")
