@@ -140,6 +140,7 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
         (["--sequence-parallel", "3"], "--sequence-parallel must divide --num-gpus (1), got '3'"),
         (["--gpus-per-node", "x"], "--gpus-per-node must be an integer >= 1"),
         (["--pinned-memory", "lots"], "--pinned-memory: expected a size"),
+        (["--jobs", "0"], "--jobs must be an integer >= 1"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(capsys, extra, message):

@@ -65,7 +65,7 @@ from hf_memo.profiler.search import longest_fitting
 from hf_memo.profiler.shapes import SHAPE_NAMES
 from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
-from hf_memo.profiler.workers import run_side_by_side
+from hf_memo.profiler.workers import run_side_by_side, usable_cpus
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
 SCAN = 0.02  # past the bisection's answer, lengths up to this fraction longer are checked too (chunk rows vary)
@@ -417,6 +417,9 @@ def memo_mode_estimate(memo: MemoModel, seq_len: int, budget: Budget, search: bo
     )
 
 
+# More workers than the memo mode's seven profiles hardly shorten the run (its profiles are the longest) and each
+# worker fills its own fake-tensor caches: the default stops at eight.
+MAX_WORKERS = 8
 PROFILE_WEIGHT = {"memo": 3.0, "minseq": 1.5, "hf-checkpointing": 1.2}  # one profile's time, relative to vanilla's
 
 
@@ -436,6 +439,7 @@ def closed_forms(job: _Job, modes: Sequence[str], workers: int | None) -> dict[s
         job.bar.set_postfix_str(f"{mode} {done[mode]}/{len(jobs[mode])}")
         job.bar.update()
 
+    workers = min(usable_cpus(), MAX_WORKERS) if workers is None else workers
     traces = run_side_by_side([jobs[mode][index] for mode, index in order], workers, on_done)
     by_mode: dict[str, list[AllocationTrace]] = {mode: [None] * len(jobs[mode]) for mode in missing}  # type: ignore[misc]
     for (mode, index), trace in zip(order, traces):
@@ -484,8 +488,8 @@ def estimate(
         gpu: the GPU whose peak FLOP/s and host bandwidth bound the step time (``"h100"``, ``"h200"``, ``"a100"``).
         cluster: ranks, sequence parallelism, ZeRO stage and optimizer offload (default: one GPU).
         pinned_memory: host memory per node offloaded activations may pin (default: all of ``host_memory``).
-        workers: processes that run the profiles side by side (default: one per CPU this process may use; the
-            answer does not depend on it).
+        workers: processes that run the profiles side by side (default: one per CPU this process may use, at most
+            :data:`MAX_WORKERS`; the answer does not depend on it).
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -597,7 +601,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
     parser.add_argument(
-        "--jobs", default=None, help="processes that profile side by side (default: one per CPU this process may use)"
+        "--jobs",
+        default=None,
+        help="processes that profile side by side (default: one per CPU this process may use, at most 8)",
     )
     parser.add_argument("--no-search", action="store_true", help="skip the search for the longest sequence")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

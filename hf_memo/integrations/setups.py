@@ -6,6 +6,7 @@ configures the freshly built model (checkpointing, ``hf_memo.apply``, ...).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +135,9 @@ def with_lora(model: nn.Module, session: FakeSession) -> nn.Module:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ValueError("trainable='lora' needs the peft package (pip install peft)") from None
-    with session.converting_modules():
+    with session.converting_modules(), warnings.catch_warnings():
+        # PEFT reads a property this Transformers deprecates: nothing the user of the estimate can act on.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         try:
             return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="CAUSAL_LM"))
         except ValueError as error:
