@@ -147,7 +147,6 @@ def solve_policy(
     device_budget: float,
     host_budget: float,
     alpha_steps: int,
-    allow_x_only: bool = True,
 ) -> MemoryPolicy:
     """The policy of every decoder layer that minimises the predicted step time (see the module docstring).
 
@@ -160,7 +159,6 @@ def solve_policy(
         host_budget: host bytes for the kept tensors.
         alpha_steps: alphas are multiples of ``1 / alpha_steps`` (the executor's chunk count, or a
             coarser grid: the executor rounds alpha down to whole chunks, which only lowers memory).
-        allow_x_only: whether layers may keep ``X`` only (recompute attention in backward).
 
     Returns:
         the policy, with ``predicted_step_seconds`` (decoder layers only), ``device_bytes``, ``host_bytes``
@@ -181,7 +179,7 @@ def solve_policy(
         _check(f"costs.{name}", value, 0.0)
 
     n, steps = num_layers, alpha_steps
-    kinds = (True, False) if allow_x_only else (True,)
+    kinds = (True, False)  # keep X + attention output, keep X only
     unit = costs.other_bytes / steps  # bytes of one alpha step of one layer
     step_saving = costs.other_seconds / steps  # a device layer's seconds saved by one alpha step
 
@@ -197,7 +195,7 @@ def solve_policy(
 
     best: tuple[float, tuple] | None = None
     for host_attn in range(n + 1):
-        for host_x in range(n + 1 - host_attn if allow_x_only else 1):
+        for host_x in range(n + 1 - host_attn):
             on_device = n - host_attn - host_x
             if on_device < min(2, n):
                 continue
@@ -229,21 +227,21 @@ def solve_policy(
                     left -= take
                 host_time += sum(host_counts[k] * host_seconds(k, 0) for k in kinds)
                 device_free = device_budget - (2 * buffer if present else 0.0)
-                for device_attn in range(on_device + 1) if allow_x_only else (on_device,):
-                    room = device_free - device_attn * base[True] - (on_device - device_attn) * base.get(False, 0.0)
+                for device_attn in range(on_device + 1):
+                    room = device_free - device_attn * base[True] - (on_device - device_attn) * base[False]
                     if room < 0:
                         continue
                     units = steps * on_device if unit == 0 else min(steps * on_device, math.floor(room / unit + 1e-9))
                     seconds = (
                         host_time
                         + device_attn * device_seconds[True]
-                        + (on_device - device_attn) * device_seconds.get(False, 0.0)
+                        + (on_device - device_attn) * device_seconds[False]
                         - units * step_saving
                     )
                     if best is None or seconds < best[0] - 1e-12:
                         best = (seconds, (host_counts, taken, on_device, device_attn, units))
     if best is None:
-        _shortfall(n, costs, device_budget, host_budget, costs.stash_bytes(not allow_x_only, 0.0))
+        _shortfall(n, costs, device_budget, host_budget, costs.stash_bytes(False, 0.0))
     _, (host_counts, taken, on_device, device_attn, units) = best
     layers: list[LayerPolicy] = []
     for keep in kinds:
