@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 import time
 
@@ -37,6 +38,27 @@ def test_a_jobs_error_is_raised_in_the_caller():
 
     with pytest.raises(ValueError, match="profile failed"):
         run_side_by_side([_job(0), broken], workers=2)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux only")
+def test_a_worker_that_dies_is_an_error_not_a_wait():
+    def killed():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RuntimeError, match="a worker process died"):
+        run_side_by_side([_job(0, pause=0.05), killed, _job(2)], workers=2)
+
+
+def test_after_an_error_the_jobs_not_started_are_not_run(tmp_path):
+    def broken():
+        raise ValueError("first job failed")
+
+    def mark(i):
+        return lambda: (tmp_path / str(i)).touch()
+
+    with pytest.raises(ValueError, match="first job failed"):
+        run_side_by_side([broken, _job(1, pause=0.5)] + [mark(i) for i in range(20)], workers=2)
+    assert len(list(tmp_path.iterdir())) < 20
 
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True])

@@ -1,15 +1,15 @@
 """``hf_memo.estimate`` and ``hf-memo estimate``: peak memory of a training step and the longest sequence that fits.
 
 Every setup ("mode", see :mod:`hf_memo.integrations.setups`) is profiled on fake tensors, so any model is
-estimated on a CPU without its weights: a few fresh profiles at short lengths fix a closed form of its peak
-memory in the step's sizes (:mod:`hf_memo.integrations.fitted`), and every length, the longest that fits among
-them, is read off the closed form. The profiles of all modes are independent and run side by side, one worker
-process per CPU (:mod:`hf_memo.profiler.workers`). Bytes the profile finds on the host (offloaded tensors) count as host memory,
-everything else as device memory. The memo mode runs the memory-policy solver on its closed form (see
+estimated on a CPU without its weights: a few fresh profiles at short lengths fix a closed form of its peak memory
+in the step's sizes (:mod:`hf_memo.integrations.fitted`), and every length, the longest that fits among them, is
+read off the closed form. The profiles of all modes are independent and run side by side, one worker process per
+CPU (:mod:`hf_memo.profiler.workers`). Bytes the profile finds on the host (offloaded tensors) count as host
+memory, everything else as device memory. The memo mode runs the memory-policy solver on its closed form (see
 :mod:`hf_memo.integrations.memo_estimate`): its longest sequence is the longest for which some policy fits the
 device, the host and the pinned memory. Multi-GPU jobs (:mod:`hf_memo.integrations.cluster`) are one rank's
-profile at ``S / K`` tokens with its share of the model states. Step times are bounds, not measurements: FLOPs
-at the GPU's peak plus the host copies compute cannot hide.
+profile at ``S / K`` tokens with its share of the model states. Step times are bounds, not measurements: FLOPs at
+the GPU's peak plus the host copies compute cannot hide.
 """
 
 from __future__ import annotations

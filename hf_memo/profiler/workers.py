@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -39,7 +41,8 @@ def run_side_by_side(
     """``[job() for job in jobs]``, computed by up to ``workers`` forked processes (default: :func:`usable_cpus`).
 
     Jobs are handed out in order to whichever worker is free, so put the longest first. ``on_done(index)`` is
-    called here as each job's result arrives. A job's exception is raised here.
+    called here as each job's result arrives. A job's exception is raised here, and a :class:`RuntimeError` if a
+    worker dies (killed by the system, say) instead of waiting for it forever.
     """
     global _JOBS
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
@@ -54,11 +57,23 @@ def run_side_by_side(
         return results
     _JOBS = jobs
     try:
-        with multiprocessing.get_context("fork").Pool(count) as pool:
-            for index, result in pool.imap_unordered(_run, range(len(jobs))):
-                results[index] = result
-                if on_done is not None:
-                    on_done(index)
+        with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_run, index) for index in range(len(jobs))]
+            try:
+                for future in as_completed(futures):
+                    index, result = future.result()
+                    results[index] = result
+                    if on_done is not None:
+                        on_done(index)
+            except BaseException:
+                for future in futures:  # what has not started yet will not
+                    future.cancel()
+                raise
+    except BrokenProcessPool as error:
+        raise RuntimeError(
+            "a worker process died (killed, or out of memory?); run again with fewer workers "
+            "(workers=1, or --jobs 1 on the command line)"
+        ) from error
     finally:
         _JOBS = ()
     return results
