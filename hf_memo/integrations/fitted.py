@@ -6,8 +6,10 @@ about is slow. The step's memory only depends on the layers ``n``, the tokens ``
 chunk of the MLP and of the LM head (see :mod:`hf_memo.profiler.closed_form`), so the mode is profiled at two
 short lengths and two depths with two chunks each, plus once with three MLP chunks and once with three LM-head
 chunks, and the peak at any length follows from the closed form with the chunk rows the runtime's own rule
-(:func:`hf_memo.minseq.chunking.resolve_chunks`) gives there. Every profile builds a fresh model, so a fresh
-hf_memo runtime and host pool: no profile depends on another.
+(:func:`hf_memo.minseq.chunking.resolve_chunks`) gives there. The memo runtime sizes its host and copy buffers
+for the longest step of the step's length bucket (:mod:`hf_memo.runtime.buckets`): their bytes are fitted apart
+and scaled by how much longer that step is. Every profile builds a fresh model, so a fresh hf_memo runtime and
+host pool: no profile depends on another.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from hf_memo.minseq.chunking import resolve_chunks
 from hf_memo.patches.registry import family_for
 from hf_memo.profiler.closed_form import ClosedForm, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler
-from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
+from hf_memo.runtime.buckets import stretch
+from hf_memo.runtime.memo import COPY_SLOTS
 
 PROFILE_SEQ_LEN = 24576  # the longer of the two profiled lengths (the shorter is half); capped by learned positions
 BASE_CHUNKS = (2, 2)  # chunk counts of the profiles: few (profiles are fast), more than one (the chunked code path)
@@ -90,6 +94,12 @@ def trace_at(profiler_for: Callable[[Chunks], StepProfiler], point: ProfilePoint
     return profiler_for(chunks).trace(seq_len, layers)
 
 
+def sized_for_bucket(event: AllocationEvent) -> bool:
+    """Whether a malloc of a memo profile is a buffer the runtime sizes for the longest step of the length bucket
+    (:mod:`hf_memo.runtime.buckets`): a host buffer, or a copy buffer (without a memory plan, as profiled)."""
+    return event.location == "host" or (event.name or "").split(" ")[0] in COPY_SLOTS
+
+
 class FittedFootprint:
     """Peak device and host memory of one mode at any length, from its closed form.
 
@@ -125,8 +135,9 @@ class FittedFootprint:
             for layers, seq_len, chunks in plan.points
         ]
         self.profiles = len(samples)
-        self._device = ClosedForm(samples, "device")
-        self._host = ClosedForm(samples, "host")
+        bucketed = sized_for_bucket if chunking == "memo" else None
+        self._device = ClosedForm(samples, "device", bucketed)
+        self._host = ClosedForm(samples, "host", bucketed)
         self.method = (
             f"closed form fitted to {self.profiles} fresh fake-tensor profiles ("
             + (f"{' and '.join(map(str, self.depths))} of {self.layers} layers, " if len(self.depths) > 1 else "")
@@ -147,7 +158,8 @@ class FittedFootprint:
         if self.chunking is None:
             return StepSize(layers, tokens, layer_terms=layer_terms)
         mlp_rows, head_rows = chunk_rows(self.config, self.chunking, self.batch_size, seq_len, chunks)
-        return StepSize(layers, tokens, mlp_rows, head_rows, layer_terms)
+        longer = stretch(seq_len) if self.chunking == "memo" else 1.0
+        return StepSize(layers, tokens, mlp_rows, head_rows, layer_terms, longer)
 
     def footprint(self, seq_len: int, layers: int | None = None) -> Footprint:
         """Peak device and host bytes of a step of ``(batch_size, seq_len)`` with ``layers`` (default all)."""

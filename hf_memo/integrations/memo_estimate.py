@@ -11,6 +11,9 @@ closed form fitted to profiles at depths 4 and 5 (see :mod:`~hf_memo.integration
   step's workspace): the budget any policy's kept tensors may use is the GPU memory minus that. This
   assumes every kept tensor is alive at the peak, as at the head, where the profiles peak.
 
+Like the runtime, which decides once per length bucket (:mod:`hf_memo.runtime.buckets`), the policy and memory of
+a step are those of the longest step of its bucket (at most 1/32 longer): the host buffers are that size.
+
 Times are FLOP counts at the GPU's bf16 dense peak (an upper bound on speed, so a lower bound on how
 much copy time compute can hide): a layer's forward is ``2 * weights * tokens`` plus the causal
 attention core ``2 * B * S² * a``; backward twice that (input gradients only for frozen weights).
@@ -32,6 +35,7 @@ from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.runtime.buckets import bucket_length
 
 ALPHA_STEPS = 16  # the alpha grid the estimator solves on (the executor rounds down to its chunks)
 
@@ -211,7 +215,10 @@ class MemoModel:
         return self.fitted.footprint(seq_len).host.total / (self.layers - 2)
 
     def profile(self, seq_len: int) -> MemoProfile:
-        """The closed form's memo profile at ``seq_len`` (one rank's positions)."""
+        """The closed form's memo profile for steps of ``seq_len`` positions (one rank's): that of the longest step of
+        their length bucket, for which the runtime decides its policy and sizes its buffers (see
+        :mod:`hf_memo.runtime.buckets`), so the step fits whenever that one does."""
+        seq_len = bucket_length(seq_len)
         if seq_len in self._profiles:
             return self._profiles[seq_len]
         device, state_host = self.fitted.footprint(seq_len).device, 0

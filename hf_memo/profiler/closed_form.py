@@ -14,37 +14,52 @@ Profiles of modes that chunk nothing leave the last two features out (four profi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.extrapolate import slot_walk, target_phase
-from hf_memo.profiler.trace import CATEGORIES, AllocationTrace
+from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 
 MomentKey = tuple[str, int, str]  # (slot, occurrence, op)
 
 
-def moment_peaks(trace: AllocationTrace, location: str = "device") -> dict[MomentKey, Peak]:
+Bucketed = Callable[[AllocationEvent], bool]
+
+
+def moment_peaks(
+    trace: AllocationTrace, location: str = "device", bucketed: Bucketed | None = None
+) -> dict[MomentKey, tuple[Peak, dict[str, int]]]:
     """Per slot (see :func:`~hf_memo.profiler.extrapolate.slot_peaks`) and per op, the most bytes alive right after
-    a malloc that op made in the slot (``"start"``: when the slot begins).
+    a malloc that op made in the slot (``"start"``: when the slot begins), and of them, by category, the bytes of
+    buffers sized for the step's length bucket (the mallocs ``bucketed`` tells; none without it).
 
     A slot's peak is the highest of its moments'. Moments of one op are alike whatever the chunk count (the
     same op at the same point of each chunk), so each is one line in the step's sizes, where a whole slot's
     peak may switch from one kind of moment to another (a chunk's transient when chunks are long, attention's
     backward when they are short).
     """
-    peaks: dict[MomentKey, Peak] = {}
+    peaks: dict[MomentKey, tuple[Peak, dict[str, int]]] = {}
+    in_buckets = dict.fromkeys(CATEGORIES, 0)
+    sized: set[int] = set()  # tensor ids of the live bucket-sized buffers
     for index, event, slot_key, starts, live, by_category in slot_walk(trace, location):
+        if not starts and bucketed is not None:
+            if event.op == "malloc" and bucketed(event):
+                sized.add(event.tensor_id)
+                in_buckets[event.category] += event.size
+            elif event.op == "free" and event.tensor_id in sized:
+                sized.discard(event.tensor_id)
+                in_buckets[event.category] -= event.size
         if slot_key is None:
             continue
         if starts:
-            peaks[(*slot_key, "start")] = Peak(live, dict(by_category), index, event.phase)
+            peaks[(*slot_key, "start")] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
         elif event.op == "malloc":
             key = (*slot_key, event.source or "tracked")
-            if key not in peaks or live > peaks[key].total:
-                peaks[key] = Peak(live, dict(by_category), index, event.phase)
+            if key not in peaks or live > peaks[key][0].total:
+                peaks[key] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
     return peaks
 
 
@@ -54,7 +69,9 @@ class StepSize:
 
     ``mlp_rows`` / ``head_rows`` are the tokens of the largest mini-sequence chunk of the MLP and of the LM head
     (``None`` for modes that do not chunk them). Without ``layer_terms`` (profiles of the whole model at one
-    depth) the features leave ``n`` and ``nT`` out.
+    depth) the features leave ``n`` and ``nT`` out. ``stretch`` is how much larger than the step's own bytes the
+    buffers sized for its length bucket are (the memo runtime's host and copy buffers: see
+    :mod:`hf_memo.runtime.buckets`).
     """
 
     layers: int
@@ -62,6 +79,7 @@ class StepSize:
     mlp_rows: int | None = None
     head_rows: int | None = None
     layer_terms: bool = True
+    stretch: float = 1.0  # bucket-sized buffers hold this many times their step's bytes (see ClosedForm)
 
     def features(self) -> np.ndarray:
         """``(1, n, T, nT[, L_mlp, L_head])`` as float64 (``(1, T[, L_mlp, L_head])`` without layer terms)."""
@@ -75,20 +93,30 @@ class StepSize:
 class ClosedForm:
     """Per-slot, per-category lines fitted to profiles of one step at several sizes.
 
+    Buffers sized for the step's length bucket (what ``bucketed`` tells, e.g. the memo runtime's host buffers)
+    hold ``stretch`` times what the step needs: their bytes are fitted apart, divided by each profile's stretch,
+    and multiplied by the stretch of the size asked about.
+
     Args:
         samples: ``(size, trace)`` pairs, as many as there are features (or more: least squares); every trace
             must have the same slots (same phases) and the sizes' features must be linearly independent.
         location: ``"device"`` or ``"host"``.
+        bucketed: ``bucketed(malloc_event)`` -> whether that storage is sized for the length bucket.
     """
 
-    def __init__(self, samples: Sequence[tuple[StepSize, AllocationTrace]], location: str = "device") -> None:
+    def __init__(
+        self,
+        samples: Sequence[tuple[StepSize, AllocationTrace]],
+        location: str = "device",
+        bucketed: Bucketed | None = None,
+    ) -> None:
         features = np.stack([size.features() for size, _ in samples])
         if features.shape[0] < features.shape[1] or np.linalg.matrix_rank(features) < features.shape[1]:
             raise ValueError(
                 f"need {features.shape[1]} profiles with independent sizes to fit a closed form, got "
                 f"{[size for size, _ in samples]}"
             )
-        slots = [moment_peaks(trace, location) for _, trace in samples]
+        slots = [moment_peaks(trace, location, bucketed) for _, trace in samples]
         phases = {key[:2] for key in slots[0]}
         for size, found in zip((size for size, _ in samples), slots):
             if {key[:2] for key in found} != phases:
@@ -99,18 +127,22 @@ class ClosedForm:
         keys = [key for key in slots[0] if all(key in found for found in slots)]  # moments every profile has
         self.width = features.shape[1]
         self.location = location
-        values = np.array([[[s[key].by_category[c] for c in CATEGORIES] for key in keys] for s in slots], dtype=float)
-        flat = values.reshape(len(samples), -1)  # samples x (slots * categories)
-        solution, *_ = np.linalg.lstsq(features, flat, rcond=None)
+        totals = np.array([[[s[k][0].by_category[c] for c in CATEGORIES] for k in keys] for s in slots], dtype=float)
+        sized = np.array([[[s[k][1][c] for c in CATEGORIES] for k in keys] for s in slots], dtype=float)
+        sized /= np.array([size.stretch for size, _ in samples])[:, None, None]  # as if sized for the step itself
+        unsized = totals - sized * np.array([size.stretch for size, _ in samples])[:, None, None]
+        shape = (self.width, len(keys), len(CATEGORIES))
         self._keys: list[MomentKey] = keys
-        self._coefficients = solution.reshape(self.width, len(self._keys), len(CATEGORIES))
+        self._coefficients = np.linalg.lstsq(features, unsized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
+        self._sized = np.linalg.lstsq(features, sized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
 
     def peak(self, size: StepSize) -> Peak:
         """The peak at ``location`` of the step of ``size``: the highest slot's value, by category."""
         x = size.features()
         if x.shape[0] != self.width:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
-        values = np.rint(np.einsum("f,fkc->kc", x, self._coefficients)).astype(np.int64)
+        exact = np.einsum("f,fkc->kc", x, self._coefficients) + size.stretch * np.einsum("f,fkc->kc", x, self._sized)
+        values = np.rint(exact).astype(np.int64)
         totals = values.sum(axis=1)
         best = int(np.argmax(totals))
         if totals[best] <= 0:

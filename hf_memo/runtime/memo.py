@@ -115,6 +115,11 @@ class StepMeasurements:
     requested_alpha: float | None
 
 
+COPY_SLOTS = ("rounding", "prefetch")
+"""Names of the copy buffers (:class:`~hf_memo.runtime.stash.DeviceSlots`): without a memory plan, sized like the
+host buffers for the longest step of the length bucket."""
+
+
 class _Transport:
     """Per-device copy engine, host pool (holding at most ``host_limit`` bytes), rounding buffers and prefetch
     buffers (from ``arena`` if planned)."""
@@ -122,8 +127,8 @@ class _Transport:
     def __init__(self, device: torch.device, arena: Arena | None, host_limit: int | None = None) -> None:
         self.engine = CopyEngine(device)
         self.pool = HostPool(device, limit=host_limit)
-        self.rounding = DeviceSlots("rounding", device, self.engine, arena)
-        self.prefetch = DeviceSlots("prefetch", device, self.engine, arena)
+        self.rounding = DeviceSlots(COPY_SLOTS[0], device, self.engine, arena)
+        self.prefetch = DeviceSlots(COPY_SLOTS[1], device, self.engine, arena)
 
 
 class MemoRuntime:
