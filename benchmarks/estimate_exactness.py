@@ -1,9 +1,11 @@
 """The fast estimator against direct fake-tensor profiles of the same setup, each in a fresh process.
 
-For each question and mode: the closed form's peak device and host memory at 16K, 64K and 256K tokens and at the
+For each question and mode: the closed form's peak device and host memory at 16K, 64K, 64K + 1 (just past a
+length bucket's boundary, where memo's host buffers are 3.1% longer than the step) and 256K tokens and at the
 mode's answer (the longest sequence the estimator finds; one rank's tokens for multi-GPU questions), beside a
-direct profile at exactly that length (two depths, extrapolated linearly in layers; the runtime's own chunk counts)
-run in a new Python process. Memo is profiled with its smallest MEMO policy (alpha 0), what its closed form models.
+direct profile at exactly that length (two depths, extrapolated linearly in layers; the runtime's own chunk
+counts) run in a new Python process. Memo is profiled with its smallest MEMO policy (alpha 0), what its closed
+form models.
 
     python benchmarks/estimate_exactness.py          # writes benchmarks/results/<date>-cpu/estimate_exactness.*
 """
@@ -38,7 +40,7 @@ QUESTIONS = {
         Cluster(8, 8, 3, True),
     ),
 }
-LENGTHS = (16384, 65536, 262144)
+LENGTHS = (16384, 65536, 65537, 262144)
 DIRECT = """
 import json, sys, torch
 from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
