@@ -75,7 +75,7 @@ def main() -> None:
         "gpu": "H100 SXM",
         "unit": unit,
         "cells_planned": len(GPU_GIB) * len(HOST_GIB) * len(trainables),
-        "machine": f"{platform.machine()}, {platform.processor() or ''}",
+        "machine": platform.processor() or platform.machine(),
         "cells": [],
         "seconds": 0.0,
     }
