@@ -234,3 +234,5 @@ def test_recipe_refuses_bad_choices(recipe, tmp_path, capsys):
     assert "give one of --model_name_or_path" in capsys.readouterr().err
     assert recipe.main([*base, "--recompute", "twice"]) == 2
     assert "MemoConfig.recompute must be one of" in capsys.readouterr().err
+    assert recipe.main([*base, "--use_hf_memo", "False", "--sequence_parallel_size", "2"]) == 2
+    assert "--sequence_parallel_size needs hf_memo" in capsys.readouterr().err

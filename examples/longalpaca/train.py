@@ -88,6 +88,9 @@ class RecipeArguments:
         metadata={"help": "modules trained in full next to LoRA (comma-separated, '' none)"},
     )
     dtype: str = field(default="bfloat16", metadata={"help": "parameter dtype: bfloat16, float16 or float32"})
+    use_hf_memo: bool = field(
+        default=True, metadata={"help": "False: plain Hugging Face, without hf_memo (the baseline to compare with)"}
+    )
     recompute: str = field(default="memo", metadata={"help": "hf_memo recompute: none, full, selective or memo"})
     offload_fraction: str = field(default="auto", metadata={"help": "memo: 'auto' or a fraction of tokens in [0, 1]"})
     host_memory_limit: str = field(default="auto", metadata={"help": "memo: host bytes for offloading, e.g. 64GiB"})
@@ -355,7 +358,10 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
         )
     if recipe.lora:
         model = add_lora(model, recipe)
-    hf_memo.apply(model, config)
+    if not recipe.use_hf_memo and config.sequence_parallel_size > 1:
+        raise ValueError("--sequence_parallel_size needs hf_memo; drop --use_hf_memo False")
+    if recipe.use_hf_memo:
+        hf_memo.apply(model, config)
     peak = None if recipe.peak_tflops is None else recipe.peak_tflops * 1e12
     trainer = Trainer(
         model=model,
@@ -363,16 +369,14 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
         train_dataset=rows,
         data_collator=Collator(pad),
         processing_class=tokenizer,
-        callbacks=[MemoCallback(peak_flops=peak)],
+        callbacks=[MemoCallback(peak_flops=peak)] if recipe.use_hf_memo else [],
     )
     if config.sequence_parallel_size > 1:
         from hf_memo.integrations.accelerate import attach
 
         attach(trainer.accelerator, trainer.model)
-    print(
-        f"{len(rows)} rows of up to {recipe.max_seq_len} tokens from {len(records)} records; "
-        f"hf_memo recompute={config.recompute!r}, planner={config.planner!r}"
-    )
+    what = f"hf_memo recompute={config.recompute!r}, planner={config.planner!r}" if recipe.use_hf_memo else "plain HF"
+    print(f"{len(rows)} rows of up to {recipe.max_seq_len} tokens from {len(records)} records; {what}")
     return trainer
 
 
@@ -389,8 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = True  # the last checkpoint in --output_dir
     result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
-    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoCallback))
-    if callback.plan_path is not None:
+    callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoCallback)), None)
+    if callback is not None and callback.plan_path is not None:
         print(f"memory plan ({callback.plan_source}): {callback.plan_path}")
     print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}; model in {training.output_dir}")
     return 0
