@@ -112,9 +112,9 @@ def train(flags: list[str]) -> dict[str, list[float]]:
     return {"losses": losses, "grad_norms": grad_norms}
 
 
-def run(size: str, name: str, folder: Path) -> dict:
+def run(size: str, name: str, config: Path, folder: Path) -> dict:
     """One configuration in a fresh process: its losses per step and wall time."""
-    flags = recipe_flags(size, model_config(size, folder), RUNS[name], folder / "out")
+    flags = recipe_flags(size, config, RUNS[name], folder / "out")
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, __file__, "--train", json.dumps(flags)], capture_output=True, text=True, cwd=ROOT
@@ -194,8 +194,9 @@ def main() -> None:
     shape = SIZES[size]
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
+        config = model_config(size, Path(scratch))
         for name in RUNS:
-            runs[name] = run(size, name, Path(scratch))
+            runs[name] = run(size, name, config, Path(scratch))
             print(f"{name}: final loss {runs[name]['losses'][-1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
     results = {
         "date": date,

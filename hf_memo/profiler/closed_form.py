@@ -129,8 +129,8 @@ class ClosedForm:
         self.location = location
         totals = np.array([[[s[k][0].by_category[c] for c in CATEGORIES] for k in keys] for s in slots], dtype=float)
         sized = np.array([[[s[k][1][c] for c in CATEGORIES] for k in keys] for s in slots], dtype=float)
+        unsized = totals - sized
         sized /= np.array([size.stretch for size, _ in samples])[:, None, None]  # as if sized for the step itself
-        unsized = totals - sized * np.array([size.stretch for size, _ in samples])[:, None, None]
         shape = (self.width, len(keys), len(CATEGORIES))
         self._keys: list[MomentKey] = keys
         self._coefficients = np.linalg.lstsq(features, unsized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
@@ -141,8 +141,8 @@ class ClosedForm:
         x = size.features()
         if x.shape[0] != self.width:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
-        exact = np.einsum("f,fkc->kc", x, self._coefficients) + size.stretch * np.einsum("f,fkc->kc", x, self._sized)
-        values = np.rint(exact).astype(np.int64)
+        coefficients = self._coefficients + size.stretch * self._sized
+        values = np.rint(np.einsum("f,fkc->kc", x, coefficients)).astype(np.int64)
         totals = values.sum(axis=1)
         best = int(np.argmax(totals))
         if totals[best] <= 0:
