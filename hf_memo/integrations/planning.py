@@ -11,6 +11,7 @@ from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runt
 from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.profiler.fake_model import fake_causal_lm
+from hf_memo.profiler.kernel_workspace import device_target
 from hf_memo.profiler.step import trace_training_step
 from hf_memo.runtime.memo import OffloadDecision
 from hf_memo.runtime.model_planner import register_model_planner
@@ -34,7 +35,8 @@ def plan_training_step(
     alpha the real run may not choose, and the runtime plans again on its first step). The plan's
     ``meta`` records the shape and the decision it was made for (``meta["offload"]``: every layer's
     policy, the bound and the LM-head offload). Under sequence parallelism, ``seq_len`` is
-    one rank's shard, profiled as a single device's step.
+    one rank's shard, profiled as a single device's step. The trace includes the workspace the attention
+    kernels of the real model's device allocate inside their calls (none on the CPU).
 
     Args:
         model: a model patched by :func:`hf_memo.apply` (or a PEFT model wrapping one).
@@ -45,7 +47,9 @@ def plan_training_step(
     if config is None:
         raise ValueError("plan_training_step needs a model patched by hf_memo.apply")
     target = causal_lm_of(model)
-    fake, session = fake_causal_lm(target.config, next(target.parameters()).dtype)
+    weight = next(target.parameters())
+    kernels = device_target(weight.device)
+    fake, session = fake_causal_lm(target.config, weight.dtype)
     with session:
         peft_config = getattr(model, "peft_config", None)
         if peft_config is not None:
@@ -65,7 +69,7 @@ def plan_training_step(
         elif runtime is not None and runtime.assumed_policy is not None:
             memo_runtime(fake).assume_policy(runtime.assumed_policy)
         with torch.random.fork_rng(devices=[]):
-            trace = trace_training_step(fake, batch_size, seq_len, optimizer="none")
+            trace = trace_training_step(fake, batch_size, seq_len, optimizer="none", kernels=kernels)
         fake_runtime = memo_runtime(fake)
         made_for = None if fake_runtime is None else fake_runtime.offload_for(batch_size, seq_len)
     plan = plan_memory(trace, solver=config.planner, time_limit=config.planner_time_limit, progress=progress)

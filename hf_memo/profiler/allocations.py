@@ -15,6 +15,11 @@ recording is finished, its category:
   (saved for backward, or passed on to the next layer);
 - ``temporary``: everything else (short-lived forward intermediates, anything created in backward,
   including recomputation, and optimizer scratch).
+
+A ``workspace`` hook adds what a kernel allocates and frees inside one op, which no output shows (the CUDA
+attention kernels' workspace, in a profile that runs the CPU kernel: :mod:`hf_memo.profiler.kernel_workspace`):
+right after the op's outputs, a ``malloc`` of each buffer, then its ``free`` (``temporary``, sourced
+``"<op> > <kernel> workspace <buffer>"``).
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_memo.profiler import placement
+from hf_memo.profiler.kernel_workspace import Workspace
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 
 _DEVICE = torch.ops.prim.device.default
 _NAMES: dict[Any, str] = {}  # op -> its name ("aten.mm.default")
 _UNSEEN = object()
 LABELS = ("parameter", "buffer", "gradient", "optimizer", "activation")
+WorkspaceHook = Callable[[Any, tuple, dict], Workspace | None]  # (op, args, kwargs) -> what the op allocates inside
 
 
 @dataclass(frozen=True)
@@ -85,17 +92,22 @@ class AllocationRecorder(TorchDispatchMode):
         phase: returns the phase name of the code running now (see :class:`PhaseTracker`).
         stage: returns ``"forward"``, ``"backward"``, ``"optimizer"`` or ``"other"`` (decides
             activation vs temporary).
+        workspace: called with each op and its arguments, returns what the op allocates and frees inside
+            itself (``None`` or an empty workspace: nothing).
 
     Tensors that exist before recording starts are added with :meth:`track`; categories are set
     with :meth:`label`. :meth:`trace` gives the result once the recorder has exited.
     """
 
-    def __init__(self, phase: Callable[[], str], stage: Callable[[], str]) -> None:
+    def __init__(
+        self, phase: Callable[[], str], stage: Callable[[], str], workspace: WorkspaceHook | None = None
+    ) -> None:
         super().__init__()
         self._phase = phase
         self._stage = stage
+        self._workspace = workspace
         self._ids = WeakIdKeyDictionary()  # storage -> trace id
-        self._refs: dict[int, weakref.ref] = {}  # live trace id -> weak reference with the free callback
+        self._refs: dict[int, weakref.ref | None] = {}  # live trace id -> weak reference with the free callback
         self._info: dict[int, _Storage] = {}
         self._events: list[tuple[str, int, str]] = []  # (op, id, phase)
         self._sources: dict[int, str] = {}  # trace id -> the op whose output it first was
@@ -125,11 +137,28 @@ class AllocationRecorder(TorchDispatchMode):
         return tensor_id
 
     def _free(self, tensor_id: int) -> None:
-        if self._refs.pop(tensor_id, None) is None:
+        if tensor_id not in self._refs:
             return
+        del self._refs[tensor_id]
         info = self._info[tensor_id]
         info.free_stage, info.free_phase = self._stage(), self._phase()
         self._events.append(("free", tensor_id, info.free_phase))
+
+    def _record_workspace(self, op: str, workspace: Workspace) -> None:
+        """Events of the buffers ``op`` allocates and frees inside itself (on the device, no storage behind them)."""
+        live: dict[str, int] = {}  # buffer name -> trace id
+        for event, buffer in workspace.events:
+            if event == "free":
+                self._free(live.pop(buffer.name))
+                continue
+            tensor_id = live[buffer.name] = len(self._info)
+            phase = self._phase()
+            self._info[tensor_id] = _Storage(buffer.nbytes, self._stage(), phase)
+            self._refs[tensor_id] = None
+            self._sources[tensor_id] = f"{op} > {workspace.kernel} workspace {buffer.name}"
+            self._events.append(("malloc", tensor_id, phase))
+        for tensor_id in reversed(live.values()):  # freed as the kernel returns (C++ locals: last made, first freed)
+            self._free(tensor_id)
 
     def _on_death(self, tensor_id: int, _ref: weakref.ref) -> None:
         if self._recording:
@@ -187,6 +216,8 @@ class AllocationRecorder(TorchDispatchMode):
                 self._see(storage)
         finally:
             self._op = None
+        if self._workspace is not None and (workspace := self._workspace(func, args, kwargs or {})) is not None:
+            self._record_workspace(name, workspace)
         return out
 
     def __enter__(self) -> AllocationRecorder:

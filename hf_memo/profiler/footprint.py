@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.extrapolate import extrapolated_peak
 from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
+from hf_memo.profiler.kernel_workspace import KernelTarget
 from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
 
@@ -63,6 +64,8 @@ class StepProfiler:
         fresh: build a new model (and so a new hf_memo runtime and host pool) for every traced step, so that no
             profile depends on what was profiled before it (a runtime's host pool reuses the buffers of an earlier,
             longer step).
+        kernels: the device the profiles are for (see :func:`~hf_memo.profiler.step.trace_training_step`): by
+            default an H100/H200 with flash-attn, whose attention workspace the CPU kernel's profile lacks.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class StepProfiler:
         meta: dict[str, Any] | None = None,
         profile_layers: tuple[int, int] = PROFILE_LAYERS,
         fresh: bool = False,
+        kernels: str | KernelTarget = "cuda",
     ) -> None:
         self.config = config
         self.profile_layers = profile_layers
@@ -87,6 +91,7 @@ class StepProfiler:
         self._on_profile = on_profile
         self._meta = meta or {}
         self._fresh = fresh
+        self._kernels = kernels
         self._models: dict[int, tuple[nn.Module, FakeSession]] = {}
 
     def model(self, layers: int) -> nn.Module:
@@ -110,7 +115,7 @@ class StepProfiler:
         if self._fresh:
             del self._models[layers]
         with session:
-            trace = trace_training_step(model, self._batch_size, seq_len, self._optimizer, self._meta)
+            trace = trace_training_step(model, self._batch_size, seq_len, self._optimizer, self._meta, self._kernels)
         if self._on_profile is not None:
             self._on_profile(layers, seq_len)
         return trace

@@ -4,6 +4,9 @@ The step is the steady state of training: optimizer state exists before it start
 step creates it, unrecorded) and gradients are released after the optimizer step, as a training
 loop with ``zero_grad(set_to_none=True)`` does. AdamW is PyTorch's fused implementation, the
 Hugging Face Trainer's default, with learning rate 0 so a profiled real model is left unchanged.
+
+The profile runs the attention kernel of the machine it runs on; ``kernels`` names the device it is for, whose
+attention kernels' workspace the trace then includes (:mod:`hf_memo.profiler.kernel_workspace`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from hf_memo.profiler.allocations import AllocationRecorder
+from hf_memo.profiler.kernel_workspace import KernelTarget, workspace_hook
 from hf_memo.profiler.phases import PhaseTracker, decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
 
@@ -68,6 +72,7 @@ def record_training_step(
     seq_len: int,
     optimizer: str = "adamw",
     on_start: Callable[[], None] | None = None,
+    kernels: str | KernelTarget = "cuda",
 ) -> tuple[AllocationRecorder, int]:
     """Run one training step of ``model`` under an :class:`AllocationRecorder`; the recorder and the layer count.
 
@@ -80,7 +85,7 @@ def record_training_step(
     layers = decoder_layers(model)
     input_ids = token_batch(model, batch_size, seq_len)
     tracker = PhaseTracker(layers)
-    recorder = AllocationRecorder(tracker.phase, lambda: tracker.stage)
+    recorder = AllocationRecorder(tracker.phase, lambda: tracker.stage, workspace_hook(kernels))
 
     def stage(name: str) -> None:
         tracker.stage = name
@@ -111,6 +116,7 @@ def trace_training_step(
     seq_len: int,
     optimizer: str = "adamw",
     meta: dict[str, Any] | None = None,
+    kernels: str | KernelTarget = "cuda",
 ) -> AllocationTrace:
     """Record every allocation of one training step of ``model`` on random ``(batch_size, seq_len)`` tokens.
 
@@ -126,7 +132,10 @@ def trace_training_step(
         optimizer: ``"adamw"`` (fused AdamW over the trainable parameters) or ``"none"``
             (forward and backward only; gradients stay alive at the end).
         meta: stored in the trace's ``meta`` (with ``batch_size``, ``seq_len``, ``optimizer``, ``layers``).
+        kernels: the device the profile is for (see :func:`~hf_memo.profiler.kernel_workspace.kernel_target`):
+            ``"cuda"`` (an H100/H200 with flash-attn) adds, around each traced CPU attention op, the workspace
+            the CUDA kernel it stands for allocates inside the call; ``"cpu"`` adds nothing (a real CPU run).
     """
-    recorder, layers = record_training_step(model, batch_size, seq_len, optimizer)
+    recorder, layers = record_training_step(model, batch_size, seq_len, optimizer, kernels=kernels)
     info = {"batch_size": batch_size, "seq_len": seq_len, "optimizer": optimizer, "layers": layers}
     return recorder.trace({**info, **(meta or {})})
