@@ -1,15 +1,11 @@
 """The memo mode in ``hf-memo estimate``: the memory policy the runtime's solver picks, and FLOP-based step times.
 
-The memo executor is profiled on fake tensors with its smallest MEMO policy (every layer but the top two
-keeps its input ``X`` and attention output on the host, ``alpha = 0``) and with ``alpha = 1``. From the
-closed form fitted to profiles at depths 4 and 5 (see :mod:`~hf_memo.integrations.fitted`):
-
-- the host bytes one more layer adds are a layer's stash, ``S_in + S_attn`` (``alpha = 0``) and
-  ``S_in + S_attn + S_other`` (``alpha = 1``); ``S_in`` is the layer input ``(B, S, H)`` itself;
-- the device peak of the full model minus what the profiled policy keeps there (the top two layers'
-  stashes and the two copy buffers) is everything else (parameters, gradients, optimizer state and the
-  step's workspace): the budget any policy's kept tensors may use is the GPU memory minus that. This
-  assumes every kept tensor is alive at the peak, as at the head, where the profiles peak.
+The solver (:func:`~hf_memo.planner.policy_solver.solve_policy`) needs a layer's stash bytes: ``S_in + S_attn``
+from the host bytes one more swapped layer adds in profiles of the smallest MEMO policy (every layer but the top
+two keeps its input ``X`` and attention output on the host, ``alpha = 0``; closed form over depths 4 and 5, see
+:mod:`~hf_memo.integrations.fitted`), ``S_other`` from one profile at ``alpha = 1``. The memory of the policy it
+picks is never arithmetic on another policy's peak: it is read off profiles of that policy
+(:mod:`~hf_memo.integrations.policy_footprint`), the runtime told to run exactly it, working sets included.
 
 Like the runtime, which decides once per length bucket (:mod:`hf_memo.runtime.buckets`), the policy and memory of
 a step are those of the longest step of its bucket (at most 1/32 longer): the host buffers are that size.
@@ -28,9 +24,10 @@ from functools import partial
 from torch import nn
 
 from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan, trace_at
+from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
-from hf_memo.planner.policy import MemoryPolicy
-from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
@@ -95,11 +92,16 @@ class LayerFlops:
 
 @dataclass(frozen=True)
 class MemoProfile:
-    """What the memo mode's profile at one length gives the solver."""
+    """What the solver needs of the memo mode at one length (one rank's).
+
+    ``base_bytes`` is the device peak of the smallest policy (every layer keeps ``X`` only, the top two on the
+    device, the rest on the host), as profiled, less the kept tensors and copy buffers the solver counts for it:
+    the room any policy's kept tensors may take is the GPU memory minus that. Other policies' working sets differ
+    a little; :meth:`MemoModel.choose` checks every answer against its own profile.
+    """
 
     seq_len: int
-    device: Peak  # the profiled device peak (smallest MEMO policy), one rank's
-    base_bytes: float  # device bytes of everything but the kept tensors and copy buffers
+    base_bytes: float
     costs: LayerCosts
     state_host: int = 0  # host bytes of the rank's offloaded model states (optimizer offload)
 
@@ -134,7 +136,8 @@ class Budget:
 
 @dataclass(frozen=True)
 class MemoChoice:
-    """The memo mode at one length and budget: the policy (``None`` if nothing fits) and memory it needs."""
+    """The memo mode at one length and budget: the policy (``None`` if nothing fits) and the memory its own
+    profile shows (the smallest policy's when nothing fits)."""
 
     policy: MemoryPolicy | None
     device: Peak
@@ -142,12 +145,34 @@ class MemoChoice:
     shortfall: str = ""
 
 
+X_ON_HOST, X_ON_DEVICE = LayerPolicy(False, True, 0.0), LayerPolicy(False, False, 0.0)
+SMALLEST_KINDS = (X_ON_HOST, X_ON_DEVICE)  # the smallest policies: X only, alpha 0, on the host then the device
+NO_FIT_ONCE_PROFILED = "no policy the solver finds fits once profiled (the budgets are too small for its working set)"
+REFINES = 6  # solves per answer: each one's budget less what the previous policy's profile showed over
+
+
+def smallest_policy(layers: int, on_device: int) -> PolicyShape:
+    """``X`` only, alpha 0, in every layer: the top ``on_device`` on the device, the others on the host."""
+    return PolicyShape(SMALLEST_KINDS, (layers - on_device, on_device))
+
+
+Runner = Callable[[Sequence[Callable[[], AllocationTrace]]], list[AllocationTrace]]
+
+
+def _run_here(jobs: Sequence[Callable[[], AllocationTrace]]) -> list[AllocationTrace]:
+    return [job() for job in jobs]
+
+
 class MemoModel:
     """Profiles the memo executor and solves its memory policy at any length and budget.
 
-    The smallest MEMO policy (``alpha = 0``) is profiled as a :class:`~hf_memo.integrations.fitted.FittedFootprint`
-    (six fresh profiles, a closed form in the step's sizes), and once more with ``alpha = 1`` for the bytes per
-    token of everything else a layer saves (``S_other``, a constant per token).
+    Two kinds of profiles serve two purposes. The solver's per-layer bytes (``S_in + S_attn`` and ``S_other``)
+    come from the smallest MEMO policy (``alpha = 0``, fitted as a
+    :class:`~hf_memo.integrations.fitted.FittedFootprint`) and one profile at ``alpha = 1``. The memory of a policy
+    is that policy's own profile: :class:`~hf_memo.integrations.policy_footprint.PolicyFootprint` fits every policy
+    made of the same blocks of layers at once; the smallest policies' are profiled with the rest, others' when a
+    policy of theirs is first chosen (``run_jobs`` runs them). An answer is the solver's policy whose own profile
+    fits the budgets: when it does not, the solver runs again with the budget short by what was over.
 
     Args:
         profiler_for: ``profiler_for(offload_fraction, chunks)`` -> a fresh-model :class:`StepProfiler` of the memo
@@ -161,6 +186,9 @@ class MemoModel:
             :func:`~hf_memo.integrations.cluster.rank_peak`); by default the single-GPU peak, nothing on the host.
         traces: the results of :meth:`jobs` in their order, if they were run already (e.g. side by side with other
             modes' profiles); by default they are run here, one after the other.
+        policy_profiler_for: ``policy_profiler_for(policy, chunks)`` -> a fresh-model :class:`StepProfiler` of the
+            memo mode running ``policy``.
+        run_jobs: runs profile jobs and returns their traces in order (by default here, one after the other).
     """
 
     def __init__(
@@ -172,11 +200,16 @@ class MemoModel:
         sequence_parallel: int = 1,
         adjust: Callable[[Peak, int], tuple[Peak, int]] | None = None,
         traces: Sequence[AllocationTrace] | None = None,
+        policy_profiler_for: Callable[[MemoryPolicy, Chunks], StepProfiler] | None = None,
+        run_jobs: Runner = _run_here,
     ) -> None:
+        if policy_profiler_for is None:
+            raise ValueError("MemoModel needs policy_profiler_for: policies are sized from their own profiles")
         if traces is None:
-            traces = [job() for job in self.jobs(profiler_for, max_seq_len)]
-        *smallest, largest_trace = traces
-        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len, smallest)
+            traces = run_jobs(self.jobs(profiler_for, policy_profiler_for, max_seq_len))
+        cost_traces, smallest_traces = self._split(traces, profiler_for, max_seq_len)
+        *alpha_zero, alpha_one = cost_traces
+        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len, alpha_zero)
         self.layers = self.fitted.layers
         if self.layers < 3:
             raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
@@ -184,28 +217,51 @@ class MemoModel:
         self.sequence_parallel = sequence_parallel
         self.gpu = gpu
         self._adjust = adjust
+        self._max_seq_len = max_seq_len
+        self._policy_profiler_for, self.run_jobs = policy_profiler_for, run_jobs
         depth, seq_len = self.fitted.depths[0], self.fitted.seq_lens[-1]
-        everything = peak(largest_trace, "host").total
+        everything = peak(alpha_one, "host").total
         fixed = peak(self.fitted.trace(depth, seq_len, BASE_CHUNKS), "host").total
         self._other_per_token = (everything - fixed) / ((depth - 2) * batch_size * seq_len)
-        self.method = f"{self.fitted.method} at alpha 0, one more at alpha 1; memo's memory is its chosen policy's"
+        self._footprints = {
+            SMALLEST_KINDS: PolicyFootprint(
+                SMALLEST_KINDS, self.fitted.config, batch_size, smallest_traces, max_seq_len
+            )
+        }
+        self.method = (
+            f"every policy from fresh fake-tensor profiles of that policy (blocks of 3 and 4 layers, "
+            f"{self.fitted.seq_lens[0]:,} and {self.fitted.seq_lens[1]:,} tokens, closed form in the block sizes, "
+            "tokens and chunk rows)"
+        )
         self.model = profiler_for(1.0, BASE_CHUNKS).model(depth)
         self.flops = LayerFlops.of(self.model)
         self._profiles: dict[int, MemoProfile] = {}
 
     @staticmethod
     def jobs(
-        profiler_for: Callable[[float, Chunks], StepProfiler], max_seq_len: int = 1 << 24
+        profiler_for: Callable[[float, Chunks], StepProfiler],
+        policy_profiler_for: Callable[[MemoryPolicy, Chunks], StepProfiler],
+        max_seq_len: int = 1 << 24,
     ) -> list[Callable[[], AllocationTrace]]:
-        """The profiles the model is fitted to, as jobs: the closed form's at alpha 0, then one at alpha 1 (at the
-        shallower depth and the longer length)."""
+        """The profiles the model is fitted to, as jobs: the closed form's at alpha 0, one at alpha 1 (at the
+        shallower depth and the longer length), then the smallest policies'."""
 
         def at_alpha(fraction: float) -> Callable[[Chunks], StepProfiler]:
             return partial(profiler_for, fraction)
 
         plan = ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len)
         largest = (plan.depths[0], plan.seq_lens[-1], BASE_CHUNKS)
-        return plan.jobs(at_alpha(0.0)) + [partial(trace_at, at_alpha(1.0), largest)]
+        costs = plan.jobs(at_alpha(0.0)) + [partial(trace_at, at_alpha(1.0), largest)]
+        return costs + fit_jobs(policy_profiler_for, SMALLEST_KINDS, max_seq_len)
+
+    @staticmethod
+    def _split(
+        traces: Sequence[AllocationTrace], profiler_for: Callable[[float, Chunks], StepProfiler], max_seq_len: int
+    ) -> tuple[list[AllocationTrace], list[AllocationTrace]]:
+        costs = len(ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len).points) + 1
+        if len(traces) != costs + len(fit_points(SMALLEST_KINDS, max_seq_len)):
+            raise ValueError(f"MemoModel.jobs gives {costs} + the smallest policies' profiles, got {len(traces)}")
+        return list(traces[:costs]), list(traces[costs:])
 
     def fixed_bytes(self, seq_len: int) -> float:
         """``S_in + S_attn``: host bytes one more swapped layer adds at ``seq_len`` (smallest MEMO policy)."""
@@ -214,16 +270,37 @@ class MemoModel:
             return float(more - self.fitted.footprint(seq_len).host.total)
         return self.fitted.footprint(seq_len).host.total / (self.layers - 2)
 
+    def footprint_of(self, shape: PolicyShape) -> PolicyFootprint:
+        """The closed form of the policies made of ``shape``'s blocks (profiled the first time it is asked for)."""
+        if shape.kinds not in self._footprints:
+            traces = self.run_jobs(fit_jobs(self._policy_profiler_for, shape.kinds, self._max_seq_len))
+            config = self.fitted.config
+            self._footprints[shape.kinds] = PolicyFootprint(
+                shape.kinds, config, self._batch_size, traces, self._max_seq_len
+            )
+        return self._footprints[shape.kinds]
+
+    def memory(self, policy: MemoryPolicy | PolicyShape, seq_len: int) -> tuple[Peak, Peak]:
+        """``(device, host)`` peaks of one rank's step of ``seq_len`` positions (bucketed like the runtime) under
+        ``policy``, from that policy's profiles; model states as the ranks hold them (host: offloaded ones, as
+        ``"optimizer"``)."""
+        shape = policy if isinstance(policy, PolicyShape) else PolicyShape.of(policy)
+        seq_len = bucket_length(seq_len)
+        device, host = self.footprint_of(shape).peaks(shape, seq_len)
+        state_host = 0
+        if self._adjust is not None:
+            device, state_host = self._adjust(device, seq_len)
+        by_category = dict(host.by_category)
+        by_category["optimizer"] += state_host
+        return device, Peak(host.total + state_host, by_category, host.index, host.phase)
+
     def profile(self, seq_len: int) -> MemoProfile:
-        """The closed form's memo profile for steps of ``seq_len`` positions (one rank's): that of the longest step of
-        their length bucket, for which the runtime decides its policy and sizes its buffers (see
+        """The solver's view of the memo mode for steps of ``seq_len`` positions (one rank's): that of the longest
+        step of their length bucket, for which the runtime decides its policy and sizes its buffers (see
         :mod:`hf_memo.runtime.buckets`), so the step fits whenever that one does."""
         seq_len = bucket_length(seq_len)
         if seq_len in self._profiles:
             return self._profiles[seq_len]
-        device, state_host = self.fitted.footprint(seq_len).device, 0
-        if self._adjust is not None:
-            device, state_host = self._adjust(device, seq_len)
         fixed = self.fixed_bytes(seq_len)
         text = self.fitted.config.get_text_config()
         element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
@@ -240,50 +317,61 @@ class MemoModel:
             attention_seconds=attention,
             other_seconds=forward - attention,
         )
-        kept = (min(2, self.layers) + (2 if self.layers > 2 else 0)) * fixed  # top two + two copy buffers
-        self._profiles[seq_len] = MemoProfile(seq_len, device, device.total - kept, costs, state_host)
+        smallest = smallest_policy(self.layers, 2)
+        device, host = self.memory(smallest, seq_len)
+        kept = policy_memory(smallest.policy().layers, costs)[0]
+        state_host = host.by_category["optimizer"]
+        self._profiles[seq_len] = MemoProfile(seq_len, device.total - kept, costs, state_host)
         return self._profiles[seq_len]
 
+    def _usage(self, budget: Budget, device: Peak, host: Peak, state_host: int) -> dict[str, float]:
+        return budget.shares(device.total, host.total, host.total - state_host)
+
     def smallest_usage(self, seq_len: int, budget: Budget) -> tuple[float, str]:
-        """The smallest ``max`` of the device, host and pinned shares of any policy (the search's measure of fitting),
-        and the constraint that sets it."""
-        profile = self.profile(seq_len)
-        stash = profile.costs.stash_bytes(False, 0.0)  # X only, alpha 0: the smallest stash
-        n = self.layers
+        """The smallest ``max`` of the device, host and pinned shares of the smallest policies (``X`` only, alpha 0,
+        any number of the top layers on the device, at least one layer on the host), each from its own profile (the
+        search's measure of fitting), and the constraint that sets it."""
+        state_host = self.profile(seq_len).state_host
         best, binding = float("inf"), "device"
-        for on_device in range(min(2, n), n + 1):
-            device = profile.base_bytes + on_device * stash + (2 * stash if on_device < n else 0.0)
-            swapped = (n - on_device) * stash
-            shares = budget.shares(device, swapped + profile.state_host, swapped)
+        for on_device in range(min(2, self.layers - 1), self.layers):
+            device, host = self.memory(smallest_policy(self.layers, on_device), seq_len)
+            shares = self._usage(budget, device, host, state_host)
             name = max(shares, key=shares.__getitem__)
             if shares[name] < best:
                 best, binding = shares[name], name
         return best, binding
 
     def choose(self, seq_len: int, budget: Budget) -> MemoChoice:
-        """The fastest policy that fits at ``seq_len``, or why none does."""
+        """The fastest policy the solver finds whose own profile fits at ``seq_len``, or why none does."""
         profile = self.profile(seq_len)
-        host_budget = budget.stash_room(profile.state_host)
-        try:
-            policy = solve_policy(
-                self.layers,
-                profile.costs,
-                self.gpu.host_bandwidth,
-                max(budget.device - profile.base_bytes, 0.0),
-                host_budget,
-                ALPHA_STEPS,
+        device_room = max(budget.device - profile.base_bytes, 0.0)
+        host_room = budget.stash_room(profile.state_host)
+        smallest = self.memory(smallest_policy(self.layers, 2), seq_len)
+        for _ in range(REFINES):
+            try:
+                policy = solve_policy(
+                    self.layers, profile.costs, self.gpu.host_bandwidth, device_room, host_room, ALPHA_STEPS
+                )
+            except PolicyDoesNotFit as error:
+                return MemoChoice(None, *smallest, str(error))
+            device, host = self.memory(policy, seq_len)
+            shares = self._usage(budget, device, host, profile.state_host)
+            if max(shares.values()) <= 1:
+                return MemoChoice(policy, device, host)
+            stash = host.total - profile.state_host
+            host_over = max(
+                0.0 if budget.host is None else host.total - budget.host,
+                0.0 if budget.pinned is None else stash - budget.pinned,
             )
-        except PolicyDoesNotFit as error:
-            return MemoChoice(None, profile.device, Peak(0), str(error))
-        by_category = dict(profile.device.by_category)
-        by_category["activation"] += round(policy.device_bytes + profile.base_bytes - profile.device.total)
-        device = Peak(sum(by_category.values()), by_category, -1, profile.device.phase)
-        host_total = round(policy.host_bytes) + profile.state_host
-        host = Peak(
-            host_total,
-            {**dict.fromkeys(by_category, 0), "activation": round(policy.host_bytes), "optimizer": profile.state_host},
+            device_room -= max(device.total - budget.device, 0.0) + (1.0 if device.total > budget.device else 0.0)
+            host_room -= host_over + (1.0 if host_over > 0 else 0.0)
+            if device_room < 0 or host_room < 0:
+                break
+        return MemoChoice(
+            None,
+            *smallest,
+            "no policy the solver finds fits once profiled (the budgets are too small for its working set)",
         )
-        return MemoChoice(policy, device, host)
 
 
 def step_seconds(

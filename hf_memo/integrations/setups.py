@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from hf_memo.patches.apply import apply, causal_lm_of
+from hf_memo.patches.apply import apply, causal_lm_of, memo_runtime
+from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
@@ -84,6 +85,17 @@ def memo_with_offload(fraction: float, chunks: Chunks = AUTO_CHUNKS) -> Callable
             mlp_chunks=chunks[0],
             lm_head_chunks=chunks[1],
         )
+
+    return configure
+
+
+def memo_with_policy(policy: MemoryPolicy, chunks: Chunks = AUTO_CHUNKS) -> Callable[[nn.Module], None]:
+    """Configure the memo executor to run ``policy`` (one :class:`~hf_memo.planner.policy.LayerPolicy` per decoder
+    layer) with no host limit and the given chunk settings: what the estimator profiles to size a policy."""
+
+    def configure(model: nn.Module) -> None:
+        memo_with_offload(0.0, chunks)(model)
+        memo_runtime(model).assume_policy(policy)
 
     return configure
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_memo.profiler.analysis import Peak
-from hf_memo.profiler.extrapolate import slot_walk, target_phase
+from hf_memo.profiler.extrapolate import slot_name, slot_walk, target_phase
 from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 
 MomentKey = tuple[str, int, str]  # (slot, occurrence, op)
@@ -30,11 +30,15 @@ Bucketed = Callable[[AllocationEvent], bool]
 
 
 def moment_peaks(
-    trace: AllocationTrace, location: str = "device", bucketed: Bucketed | None = None
+    trace: AllocationTrace,
+    location: str = "device",
+    bucketed: Bucketed | None = None,
+    slot_of: Callable[[str], str | None] | None = None,
 ) -> dict[MomentKey, tuple[Peak, dict[str, int]]]:
     """Per slot (see :func:`~hf_memo.profiler.extrapolate.slot_peaks`) and per op, the most bytes alive right after
     a malloc that op made in the slot (``"start"``: when the slot begins), and of them, by category, the bytes of
-    buffers sized for the step's length bucket (the mallocs ``bucketed`` tells; none without it).
+    buffers sized for the step's length bucket (the mallocs ``bucketed`` tells; none without it). ``slot_of`` names
+    each phase's slot (see :func:`~hf_memo.profiler.extrapolate.slot_walk`).
 
     A slot's peak is the highest of its moments'. Moments of one op are alike whatever the chunk count (the
     same op at the same point of each chunk), so each is one line in the step's sizes, where a whole slot's
@@ -44,7 +48,7 @@ def moment_peaks(
     peaks: dict[MomentKey, tuple[Peak, dict[str, int]]] = {}
     in_buckets = dict.fromkeys(CATEGORIES, 0)
     sized: set[int] = set()  # tensor ids of the live bucket-sized buffers
-    for index, event, slot_key, starts, live, by_category in slot_walk(trace, location):
+    for index, event, slot_key, starts, live, by_category in slot_walk(trace, location, slot_of):
         if not starts and bucketed is not None:
             if event.op == "malloc" and bucketed(event):
                 sized.add(event.tensor_id)
@@ -81,6 +85,14 @@ class StepSize:
     layer_terms: bool = True
     stretch: float = 1.0  # bucket-sized buffers hold this many times their step's bytes (see ClosedForm)
 
+    def slot(self, phase: str) -> str | None:
+        """The slot of ``phase`` in a step of this size (``None``: a middle layer's, never a peak of its own)."""
+        return slot_name(phase, self.layers)
+
+    def phase(self, slot: str) -> str:
+        """The phase ``slot`` names in a step of this size."""
+        return target_phase(slot, self.layers)
+
     def features(self) -> np.ndarray:
         """``(1, n, T, nT[, L_mlp, L_head])`` as float64 (``(1, T[, L_mlp, L_head])`` without layer terms)."""
         n, t = float(self.layers), float(self.tokens)
@@ -116,7 +128,7 @@ class ClosedForm:
                 f"need {features.shape[1]} profiles with independent sizes to fit a closed form, got "
                 f"{[size for size, _ in samples]}"
             )
-        slots = [moment_peaks(trace, location, bucketed) for _, trace in samples]
+        slots = [moment_peaks(trace, location, bucketed, size.slot) for size, trace in samples]
         phases = {key[:2] for key in slots[0]}
         for size, found in zip((size for size, _ in samples), slots):
             if {key[:2] for key in found} != phases:
@@ -148,4 +160,4 @@ class ClosedForm:
         if totals[best] <= 0:
             return Peak(0)
         by_category = {c: int(v) for c, v in zip(CATEGORIES, values[best])}
-        return Peak(int(totals[best]), by_category, -1, target_phase(self._keys[best][0], size.layers))
+        return Peak(int(totals[best]), by_category, -1, size.phase(self._keys[best][0]))

@@ -13,7 +13,7 @@ run's line; the extrapolated peak is the highest run's value at the target depth
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from hf_memo.profiler.analysis import Peak, layer_count
 from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
@@ -34,15 +34,21 @@ def slot_name(phase: str, layers: int) -> str | None:
 
 
 def slot_walk(
-    trace: AllocationTrace, location: str = "device"
+    trace: AllocationTrace, location: str = "device", slot_of: Callable[[str], str | None] | None = None
 ) -> Iterator[tuple[int, AllocationEvent, SlotKey | None, bool, int, dict[str, int]]]:
     """Walk ``trace`` run by run of its phases: ``(index, event, slot key, starts, live bytes, live by category)``.
 
     Each run of one phase is keyed ``(slot, occurrence)`` (``None`` for middle layers). A run's first event is
     yielded first with ``starts=True`` and the bytes alive before it; every event at ``location`` is then
     yielded with the bytes alive after it. ``live by category`` is updated in place: copy it to keep it.
+    ``slot_of(phase)`` names a phase's slot (default :func:`slot_name` at the trace's depth).
     """
-    layers = layer_count(trace)
+    if slot_of is None:
+        layers = layer_count(trace)
+
+        def slot_of(phase: str) -> str | None:
+            return slot_name(phase, layers)
+
     by_category = dict.fromkeys(CATEGORIES, 0)
     live = 0
     seen: Counter[str] = Counter()
@@ -51,7 +57,7 @@ def slot_walk(
     for index, event in enumerate(trace.events):
         if event.phase != previous_phase:
             previous_phase = event.phase
-            slot = slot_name(event.phase, layers)
+            slot = slot_of(event.phase)
             key = None if slot is None else (slot, seen[slot])
             if slot is not None:
                 seen[slot] += 1

@@ -1,0 +1,183 @@
+"""The memory of one memo policy at any length and any layer counts, from fresh profiles of that policy.
+
+A memory policy (:class:`~hf_memo.planner.policy.MemoryPolicy`) is a stack of blocks of identical layers (what the
+policy solver picks: host layers at the bottom, device layers on top, each kind with one or two alphas). The
+runtime is told to run exactly such a policy (:meth:`~hf_memo.runtime.memo.MemoRuntime.assume_policy`) and the step
+is profiled on fake tensors, so what is measured is the code's own allocations, working sets included.
+
+Within a block every layer does the same, so the bytes alive at any moment of a layer's forward or backward grow
+linearly with the layers of each block before and after it, and the middle layers of a block peak no higher than
+its first or last (see :mod:`hf_memo.profiler.extrapolate`). With one slot per block end and direction, each
+moment's bytes are a line in ``(1, T, c_1, c_1 T, ..., c_k, c_k T, L_mlp, L_head)`` for block counts ``c_i``,
+tokens ``T`` and the largest chunks' rows (see :mod:`hf_memo.profiler.closed_form`). ``2k + 4`` profiles fix it:
+every block at 2 layers and each block in turn at 3, at two lengths, plus two with one more MLP or LM-head chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+from transformers import PretrainedConfig
+
+from hf_memo.integrations.fitted import PROFILE_SEQ_LEN, chunk_rows, sized_for_bucket
+from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
+from hf_memo.profiler.analysis import Peak
+from hf_memo.profiler.closed_form import ClosedForm
+from hf_memo.profiler.footprint import StepProfiler
+from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.runtime.buckets import stretch
+
+FIT_COUNT = 3  # layers per block in the base profiles (the copy buffers are all in use from the third)
+ALPHA_CHUNKS = 16  # MLP chunks of profiles of a policy with alphas: the solver's grid, so no alpha is rounded
+
+
+@dataclass(frozen=True)
+class PolicyShape:
+    """A policy as blocks of identical layers, bottom first: each block's layer policy and its layer count."""
+
+    kinds: tuple[LayerPolicy, ...]
+    counts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, policy: MemoryPolicy) -> PolicyShape:
+        kinds: list[LayerPolicy] = []
+        counts: list[int] = []
+        for layer in policy.layers:
+            if kinds and kinds[-1] == layer:
+                counts[-1] += 1
+            else:
+                kinds.append(layer)
+                counts.append(1)
+        return cls(tuple(kinds), tuple(counts))
+
+    @property
+    def layers(self) -> int:
+        return sum(self.counts)
+
+    def policy(self) -> MemoryPolicy:
+        """The policy of this shape (every layer's, bottom first)."""
+        return MemoryPolicy(tuple(kind for kind, count in zip(self.kinds, self.counts) for _ in range(count)))
+
+    def with_counts(self, counts: Sequence[int]) -> PolicyShape:
+        return PolicyShape(self.kinds, tuple(counts))
+
+    def block_of(self, layer: int) -> tuple[int, int]:
+        """``(block, position in the block)`` of decoder layer ``layer``."""
+        start = 0
+        for block, count in enumerate(self.counts):
+            if layer < start + count:
+                return block, layer - start
+            start += count
+        raise ValueError(f"layer {layer} is past the policy's {self.layers} layers")
+
+
+@dataclass(frozen=True)
+class PolicySize:
+    """The sizes a policy's step memory depends on: its blocks' layer counts, the tokens ``B * S`` and the rows of
+    the largest MLP and LM-head chunks; ``stretch`` as in :class:`~hf_memo.profiler.closed_form.StepSize`."""
+
+    shape: PolicyShape
+    tokens: int
+    mlp_rows: int
+    head_rows: int
+    stretch: float = 1.0
+
+    def features(self) -> np.ndarray:
+        """``(1, T, c_1, c_1 T, ..., c_k, c_k T, L_mlp, L_head)`` as float64."""
+        t = float(self.tokens)
+        per_block = [value for count in self.shape.counts for value in (float(count), count * t)]
+        return np.array([1.0, t, *per_block, float(self.mlp_rows), float(self.head_rows)])
+
+    def slot(self, phase: str) -> str | None:
+        """``"block 1 first backward"`` for the end layers of each block, ``None`` for the middle ones."""
+        if not phase.startswith("layer "):
+            return phase
+        _, index, direction = phase.split()
+        block, position = self.shape.block_of(int(index))
+        if position == 0:
+            return f"block {block} first {direction}"
+        if position == self.shape.counts[block] - 1:
+            return f"block {block} last {direction}"
+        return None
+
+    def phase(self, slot: str) -> str:
+        if not slot.startswith("block "):
+            return slot
+        _, block, end, direction = slot.split()
+        first = sum(self.shape.counts[: int(block)])
+        return f"layer {first + (0 if end == 'first' else self.shape.counts[int(block)] - 1)} {direction}"
+
+
+ProfilerFor = Callable[[MemoryPolicy, Chunks], StepProfiler]
+PolicyPoint = tuple[tuple[int, ...], int, Chunks]  # (block counts, seq_len, chunk settings) of one profile
+
+
+def fit_points(kinds: Sequence[LayerPolicy], max_seq_len: int = 1 << 24) -> list[PolicyPoint]:
+    """The profiles a shape's closed form is fitted to (see the module docstring)."""
+    longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
+    mlp = ALPHA_CHUNKS if any(kind.alpha for kind in kinds) else 2
+    base = (FIT_COUNT,) * len(kinds)
+    configs = [base] + [base[:i] + (FIT_COUNT + 1,) + base[i + 1 :] for i in range(len(kinds))]
+    points: list[PolicyPoint] = [(c, s, (mlp, 2)) for c in configs for s in (longer // 2, longer)]
+    return points + [(base, longer, (2 * mlp if mlp > 2 else 3, 2)), (base, longer, (mlp, 3))]
+
+
+def _trace(profiler_for: ProfilerFor, kinds: tuple[LayerPolicy, ...], point: PolicyPoint) -> AllocationTrace:
+    counts, seq_len, chunks = point
+    shape = PolicyShape(kinds, counts)
+    return profiler_for(shape.policy(), chunks).trace(seq_len, shape.layers)
+
+
+def fit_jobs(
+    profiler_for: ProfilerFor, kinds: tuple[LayerPolicy, ...], max_seq_len: int = 1 << 24
+) -> list[Callable[[], AllocationTrace]]:
+    """:func:`fit_points`' profiles as jobs (each builds a fresh model)."""
+    return [partial(_trace, profiler_for, kinds, point) for point in fit_points(kinds, max_seq_len)]
+
+
+class PolicyFootprint:
+    """Peak device and host bytes of every policy of one block structure (``kinds``) at any length and counts.
+
+    Args:
+        kinds: the blocks' layer policies, bottom first.
+        config: the model's config (chunk rows follow the runtime's rule for it).
+        batch_size: sequences per step.
+        traces: the profiles of :func:`fit_jobs` in their order.
+        max_seq_len: the longest length the model's positions allow (as given to :func:`fit_jobs`).
+    """
+
+    def __init__(
+        self,
+        kinds: tuple[LayerPolicy, ...],
+        config: PretrainedConfig,
+        batch_size: int,
+        traces: Sequence[AllocationTrace],
+        max_seq_len: int = 1 << 24,
+    ) -> None:
+        points = fit_points(kinds, max_seq_len)
+        if len(traces) != len(points):
+            raise ValueError(f"the fit has {len(points)} profiles, got {len(traces)} traces")
+        self.kinds, self.config, self.batch_size = kinds, config, batch_size
+        self.profiles = len(points)
+        samples = [
+            (self.size(PolicyShape(kinds, counts), seq_len, chunks), trace)
+            for (counts, seq_len, chunks), trace in zip(points, traces)
+        ]
+        self._device = ClosedForm(samples, "device", sized_for_bucket)
+        self._host = ClosedForm(samples, "host", sized_for_bucket)
+
+    def size(self, shape: PolicyShape, seq_len: int, chunks: Chunks = AUTO_CHUNKS) -> PolicySize:
+        mlp_rows, head_rows = chunk_rows(self.config, "memo", self.batch_size, seq_len, chunks)
+        return PolicySize(shape, self.batch_size * seq_len, mlp_rows, head_rows, stretch(seq_len))
+
+    def peaks(self, shape: PolicyShape, seq_len: int, chunks: Chunks = AUTO_CHUNKS) -> tuple[Peak, Peak]:
+        """``(device, host)`` peaks of a step of ``(batch_size, seq_len)`` under ``shape``'s policy, chunked by
+        ``chunks`` (default: the runtime's rule)."""
+        if shape.kinds != self.kinds:
+            raise ValueError(f"this footprint is of policies made of {self.kinds}, got {shape.kinds}")
+        size = self.size(shape, seq_len, chunks)
+        return self._device.peak(size), self._host.peak(size)

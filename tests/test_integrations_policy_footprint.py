@@ -1,0 +1,87 @@
+"""A policy's closed form against direct fake-tensor profiles of the runtime running that policy."""
+
+import random
+
+import pytest
+from transformers import LlamaConfig
+
+from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, PolicySize, fit_jobs
+from hf_memo.integrations.setups import memo_with_policy
+from hf_memo.planner.policy import LayerPolicy
+from hf_memo.profiler.analysis import peak
+from hf_memo.profiler.footprint import StepProfiler
+
+MAX_SEQ_LEN = 2048  # the fit profiles 1,024 and 2,048 tokens
+
+
+def _config(layers):
+    # Wide enough that every tensor is many allocation blocks (a 64-wide model's per-row statistics are not), and
+    # heads enough that the CUDA kernel's forward modelled in the profile splits no keys at these lengths
+    return LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1000,
+        max_position_embeddings=1 << 14,
+    )
+
+
+KINDS = (  # the order the policy solver stacks them in, bottom first
+    LayerPolicy(True, True),
+    LayerPolicy(False, True),
+    LayerPolicy(True, False),
+    LayerPolicy(False, False),
+)
+
+
+def _profiler_for(config):
+    def profiler_for(policy, chunks):
+        return StepProfiler(config, lambda model, _s: (memo_with_policy(policy, chunks)(model), model)[1], fresh=True)
+
+    return profiler_for
+
+
+def test_shapes_group_a_policy_into_blocks_and_name_their_end_layers():
+    x_host, x_device = LayerPolicy(False, True), LayerPolicy(False, False)
+    shape = PolicyShape.of(PolicyShape((x_host, x_device), (3, 2)).policy())
+    assert shape == PolicyShape((x_host, x_device), (3, 2)) and shape.layers == 5
+    size = PolicySize(shape, 100, 10, 10)
+    names = [size.slot(f"layer {i} backward") for i in range(5)]
+    assert names == [
+        "block 0 first backward",
+        None,
+        "block 0 last backward",
+        "block 1 first backward",
+        "block 1 last backward",
+    ]
+    assert [size.phase(name) for name in names if name] == [f"layer {i} backward" for i in (0, 2, 3, 4)]
+    assert size.slot("lm_head forward") == "lm_head forward"
+    assert list(size.features()) == [1, 100, 3, 300, 2, 200, 10, 10]
+
+
+@pytest.mark.parametrize(
+    "kinds,seed",
+    [((KINDS[1], KINDS[3]), 0), (KINDS, 1)],  # what the estimator's searches choose; every kind, alpha 0
+)
+def test_every_policy_of_a_block_structure_is_its_own_direct_profile(kinds, seed):
+    """Fitted at blocks of 3 and 4 layers; asked about other counts, other lengths and other chunk counts, against
+    the runtime running exactly that policy."""
+    rng = random.Random(seed)
+    config = _config(2)
+    profiler_for = _profiler_for(config)
+    traces = [job() for job in fit_jobs(profiler_for, kinds, MAX_SEQ_LEN)]
+    footprint = PolicyFootprint(kinds, config, 1, traces, MAX_SEQ_LEN)
+    # Blocks of one layer are read off the same lines; with several such blocks the copy buffers are not all in use
+    # and the answer is above the profile (2.5% for four blocks of 1, 1, 1 and 2 layers): checked from 2 layers up
+    lowest = 1 if len(kinds) == 2 else 2
+    for counts in [tuple(rng.randint(lowest, 6) for _ in kinds), (lowest,) * (len(kinds) - 1) + (2,)]:
+        shape = PolicyShape(kinds, counts)
+        seq_len = rng.choice((1536, 3072, 4992))  # whole 128-row blocks of the CUDA kernel, like bucket lengths
+        chunks = (rng.randint(2, 5), rng.randint(2, 4))  # the LM head chunked, as in the fit
+        direct = _profiler_for(_config(shape.layers))(shape.policy(), chunks).trace(seq_len)
+        device, host = footprint.peaks(shape, seq_len, chunks)
+        assert device.total == pytest.approx(peak(direct, "device").total, rel=1e-6), (counts, seq_len, chunks)
+        assert host.total == pytest.approx(peak(direct, "host").total, rel=1e-6, abs=1), (counts, seq_len, chunks)
+        assert min(device.by_category.values()) >= 0 and min(host.by_category.values()) >= 0
