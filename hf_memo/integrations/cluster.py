@@ -1,29 +1,110 @@
-"""Per-rank memory of a multi-GPU job: ZeRO-sharded model states, sequence-parallel activations, host per node.
+"""Per-rank memory of a multi-GPU job: DeepSpeed's model states, Ulysses buffers, reserves and host memory per node.
 
 A job runs on ``num_gpus`` ranks, ``gpus_per_node`` of them per node sharing its host memory. Ulysses sequence
 parallelism over ``sequence_parallel = K`` ranks gives each rank ``S / K`` positions of every sequence: its
 activations are those of a single-GPU step on ``S / K`` tokens (attention runs on all ``S`` positions of ``h / K``
-heads, the same bytes), plus the all-to-all buffers that re-lay out q, k, v and the attention output in each
-decoder layer (k and v replicated up to ``K`` heads when ``K`` exceeds the key-value heads). ZeRO shards over
-all ranks: stage 1 the optimizer state, stage 2 also the gradients (one decoder layer's in flight), stage 3 also
-the parameters (two decoder layers' gathered at a time: the running one and the prefetched one).
-``offload_optimizer`` keeps the optimizer state and a copy of the gradient shard it updates on the host; with
-ZeRO-2 or 3 the device then holds only the gradients in flight (one layer's).
+heads, the same bytes), plus what the all-to-all exchanges of hf_memo's Ulysses core hold (:func:`all_to_all_bytes`).
 
-Model states are the profile's (``parameter``, ``gradient``, ``optimizer`` bytes of the single-GPU step: AdamW
-with its states in the parameter dtype, as profiled); DeepSpeed's fp32 master weights are not modelled.
+Without ZeRO the model states are the profile's (AdamW on the model's own weights, its moments in the parameter
+dtype: what a plain PyTorch or Hugging Face run of a bf16 model does). With ZeRO they are DeepSpeed's, counted from
+its sources (``runtime/zero/stage_1_and_2.py``, ``stage3.py``, ``partitioned_param_coordinator.py``, DeepSpeed 0.19)
+for the setup a user runs (:class:`DeepSpeedConfig`): bf16 mixed precision with fp32 master weights, gradient
+partition and AdamW moments by default, sharded over all ``N`` ranks; bf16 weights on the device; per rank
+(``T`` trainable elements, ``P`` all, ``e`` bytes per weight, ``/N`` the rank's partition):
+
+- ZeRO-1: ``e P`` weights, ``e T`` gradients (kept whole until the step) and the reduce bucket, ``12 T / N`` master
+  weights and moments;
+- ZeRO-2: the gradient partition ``e T / N``, the running region's gradients before they reach the bucket, the
+  reduce bucket (two with ``overlap_comm``); at the step the fp32 copy of the partition, ``4 T / N``, too;
+- ZeRO-3: the small parameters every rank keeps whole (``stage3_param_persistence_threshold``), a partition of the
+  others and the gathered ones (the running region and its prefetch, up to ``stage3_max_live_parameters``), the
+  bf16 gradient partition, one reduce bucket and the fp32 gradient buffer of the largest sub-group beside ``12 T / N``;
+- ``offload_optimizer``: master weights, fp32 gradients and moments, ``16 T / N``, plus bf16 staging buffers
+  (``e T / N``) live on the host, pinned except the moments; the device keeps only the gradients in flight.
+
+Reserves (:class:`Reserves`): the CUDA context, NCCL and allocator fragmentation come off each GPU's memory; an
+OS/process reserve off each node's host memory, of which a fraction may be pinned (DeepSpeed pins its offloaded
+states, hf_memo its stashes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from torch import nn
 from transformers import PretrainedConfig
 
 from hf_memo.profiler.analysis import Peak
+from hf_memo.profiler.phases import decoder_layers
 
 ZERO_STAGES = (0, 1, 2, 3)
+GiB = 1 << 30
+FP32 = 4
+LSE_BYTES = 4  # the attention's log-sum-exp statistics are fp32
+# Kept off each GPU by default (--reserve): the CUDA context with its cuBLAS workspaces (~0.6 GiB on an H100 with
+# CUDA 12), NCCL's buffers for the few communicators DeepSpeed and Ulysses open (~1 GiB; NVLink SHARP needs more)
+# and what the caching allocator holds but cannot hand out at the peak (~1.4 GiB, under 2% of an 80 GiB card).
+DEVICE_RESERVE = 3 * GiB
+# Kept off each node's host memory by default (--host-reserve): the OS, and each rank's process (Python, PyTorch's
+# and CUDA's libraries and host-side state, DeepSpeed, data loading).
+HOST_RESERVE_NODE = 8 * GiB
+HOST_RESERVE_PER_RANK = 4 * GiB
+# Of the host memory left after the reserve, the share that may be pinned by default (--pinned-memory): pinned pages
+# cannot be reclaimed or swapped, and the page cache, data loading and pageable allocations (DeepSpeed's AdamW
+# moments are pageable) need the rest.
+PINNABLE_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """The DeepSpeed settings model states depend on: DeepSpeed's defaults (``runtime/zero/config.py``).
+
+    Attributes:
+        reduce_bucket_size: elements of a gradient reduce bucket (``reduce_bucket_size``).
+        overlap_comm: two reduce buckets under ZeRO-1/2 (``overlap_comm``; ``None``: DeepSpeed's default, on for
+            ZeRO-3 only, whose one bucket it does not double).
+        prefetch_bucket_size: elements ZeRO-3 gathers ahead of the running module (``stage3_prefetch_bucket_size``).
+        max_live_parameters: elements ZeRO-3 may hold gathered before it stops prefetching
+            (``stage3_max_live_parameters``).
+        param_persistence_threshold: ZeRO-3 keeps parameters of at most this many elements whole on every rank
+            (``stage3_param_persistence_threshold``).
+        sub_group_size: elements of one ZeRO-3 optimizer sub-group (``sub_group_size``): its fp32 gradient buffer.
+        pin_memory: offloaded states in pinned memory (``offload_optimizer.pin_memory``).
+        pure_bf16: bf16 master weights, gradients and AdamW moments (``bf16.bf16_master_weights_and_grads`` and
+            ``bf16.bf16_optimizer_states``) instead of fp32 ones.
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    pin_memory: bool = True
+    pure_bf16: bool = False
+
+    def reduce_buckets(self, zero: int) -> int:
+        """Reduce buckets a rank holds under ZeRO stage ``zero`` (1, 2 or 3)."""
+        overlap = zero == 3 if self.overlap_comm is None else self.overlap_comm
+        return 2 if overlap and zero < 3 else 1
+
+    def describe(self) -> str:
+        """The settings as DeepSpeed names them."""
+        precision = "bf16" if self.pure_bf16 else "fp32"
+        precision += " master weights, gradients and AdamW moments"
+        overlap = "ZeRO-3 only" if self.overlap_comm is None else str(self.overlap_comm).lower()
+        return (
+            f"{precision}; reduce_bucket_size {_elements(self.reduce_bucket_size)}, overlap_comm {overlap}, "
+            f"stage3_prefetch_bucket_size {_elements(self.prefetch_bucket_size)}, "
+            f"stage3_max_live_parameters {_elements(self.max_live_parameters)}"
+        )
+
+
+def _elements(count: int) -> str:
+    """``500_000_000 -> '5e8'``, as DeepSpeed's configs write element counts."""
+    mantissa, exponent = f"{count:.1e}".split("e")
+    return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
 
 
 @dataclass(frozen=True)
@@ -35,6 +116,7 @@ class Cluster:
     zero: int = 0
     offload_optimizer: bool = False
     gpus_per_node: int = 8
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "sequence_parallel", "gpus_per_node"):
@@ -45,6 +127,8 @@ class Cluster:
             raise ValueError(f"sequence_parallel must divide num_gpus ({self.num_gpus}), got {self.sequence_parallel}")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
+        if self.zero == 0 and (self.offload_optimizer or self.deepspeed.pure_bf16):
+            raise ValueError("offload_optimizer and pure_bf16 are DeepSpeed ZeRO settings: zero must be 1, 2 or 3")
 
     @property
     def ranks_per_node(self) -> int:
@@ -56,68 +140,249 @@ class Cluster:
         return math.ceil(seq_len / self.sequence_parallel)
 
     def describe(self) -> str:
-        """One line: ranks, sequence parallelism, ZeRO stage, offload."""
-        if self.num_gpus == 1 and self.zero == 0 and not self.offload_optimizer:
+        """One line: ranks, sequence parallelism, ZeRO stage, offload, precision."""
+        if self.num_gpus == 1 and self.zero == 0:
             return "1 GPU"
         parts = [
-            f"{self.num_gpus} GPUs ({self.ranks_per_node} per node)",
+            f"{self.num_gpus} GPU{'s' if self.num_gpus > 1 else ''} ({self.ranks_per_node} per node)",
             f"sequence parallel {self.sequence_parallel}",
         ]
         parts.append(f"ZeRO-{self.zero}" if self.zero else "no ZeRO")
         if self.offload_optimizer:
             parts.append("optimizer offloaded to the host")
+        if self.zero:
+            parts.append("DeepSpeed " + ("pure bf16" if self.deepspeed.pure_bf16 else "bf16 mixed precision"))
         return ", ".join(parts)
 
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of the whole model's states on one GPU, as the single-GPU profile has them."""
+    """Element counts of the whole model's parameters (what DeepSpeed partitions) and the bytes of one element."""
 
     parameters: int
-    gradients: int  # every trainable parameter's gradient
+    trainable: int
+    element_size: int
+    largest_region: int  # the largest of a decoder layer, the embedding and the LM head: ZeRO-3 gathers one whole
+    largest_region_trainable: int  # its trainable elements: the gradients a region's backward hands over at once
+    largest_parameter: int
+    persistent: int = 0  # elements of the parameters ZeRO-3 keeps whole on every rank
+    optimizer: bool = True  # AdamW (False: no optimizer, no master weights or moments)
+
+    @classmethod
+    def of(cls, model: nn.Module, num_layers: int, optimizer: bool, persistence_threshold: int) -> ModelStates:
+        """The states of ``model`` with ``num_layers`` decoder layers, from a (fake) copy with fewer: its extra layers
+        are the first one's. ``model`` is a ``*ForCausalLM`` or a PEFT model around one."""
+        layer = decoder_layers(model)[0]
+        extra = num_layers - len(decoder_layers(model))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        regions = [layer] + [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+
+        def count(module: nn.Module, keep=lambda p: True) -> int:  # noqa: ANN001 - a parameter predicate
+            return sum(p.numel() for p in module.parameters() if keep(p))
+
+        def whole(keep=lambda p: True) -> int:  # noqa: ANN001 - a parameter predicate
+            return count(model, keep) + extra * count(layer, keep)
+
+        def trainable(p: nn.Parameter) -> bool:
+            return p.requires_grad
+
+        def small(p: nn.Parameter) -> bool:
+            return p.numel() <= persistence_threshold
+
+        return cls(
+            parameters=whole(),
+            trainable=whole(trainable),
+            element_size=next(p for p in model.parameters() if p.dim() >= 2).element_size(),
+            largest_region=max(count(region) for region in regions),
+            largest_region_trainable=max(count(region, trainable) for region in regions),
+            largest_parameter=max(p.numel() for p in model.parameters()),
+            persistent=whole(small),
+            optimizer=optimizer,
+        )
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """One rank's DeepSpeed model states, in bytes.
+
+    ``gradients`` is what backward holds; ``gradients_before_backward`` what exists from the forward on (buffers
+    DeepSpeed allocates once); ``step_gradients`` what the optimizer step holds instead (ZeRO-1/2 on the device: the
+    gradient partition and its fp32 copy), when activations are gone.
+    """
+
+    parameters: int
+    gathered: int  # of the parameters: ZeRO-3's gathered ones
+    gradients: int
+    gradients_before_backward: int
+    buckets: int  # of the gradients: the reduce buckets
     optimizer: int
-    largest_layer_parameters: int  # the largest of a decoder layer, the embedding and the LM head
-    largest_layer_gradients: int
+    step_gradients: int
+    host_pinned: int
+    host_pageable: int
+
+    @property
+    def host(self) -> int:
+        """Host bytes of the rank's offloaded states."""
+        return self.host_pinned + self.host_pageable
+
+    def device(self, backward: bool) -> int:
+        """Device bytes of the states in backward (``backward``) or before it."""
+        gradients = self.gradients if backward else self.gradients_before_backward
+        return self.parameters + gradients + self.optimizer
+
+    @property
+    def step_total(self) -> int:
+        """Device bytes of the states at the optimizer step."""
+        return self.parameters - self.gathered + self.step_gradients + self.optimizer
 
 
-def all_to_all_bytes(config: PretrainedConfig, cluster: Cluster, batch_size: int, seq_len: int, element: int) -> int:
-    """Bytes of the Ulysses all-to-all outputs one rank holds in a decoder layer: q, k, v and the attention output
-    re-laid out (0 without sequence parallelism)."""
-    if cluster.sequence_parallel == 1:
+def _gathered(states: ModelStates, config: DeepSpeedConfig) -> int:
+    """Elements ZeRO-3 holds gathered at once: the running region, and what it prefetches while it runs (a bucket,
+    which may overrun by one parameter), never more than ``stage3_max_live_parameters`` in all, nor more than the
+    partitioned parameters."""
+    region = states.largest_region
+    prefetch = min(config.prefetch_bucket_size + states.largest_parameter, max(config.max_live_parameters - region, 0))
+    return min(states.parameters - states.persistent, region + prefetch)
+
+
+def rank_states(states: ModelStates, cluster: Cluster) -> RankStates:
+    """One rank's model states under DeepSpeed ZeRO ``cluster.zero`` (1, 2 or 3): see the module docstring."""
+    config, zero, e = cluster.deepspeed, cluster.zero, states.element_size
+    part = math.ceil(states.trainable / cluster.num_gpus)  # trainable elements of the rank's partition
+    master = (e if config.pure_bf16 else FP32) if states.optimizer else 0
+    moments = 2 * master
+    grad32 = master  # the gradient partition the optimizer steps with, in the master weights' dtype
+    buckets = config.reduce_buckets(zero) * config.reduce_bucket_size * e
+    in_flight = states.largest_region_trainable * e
+    gathered = e * _gathered(states, config) if zero == 3 else 0
+    if zero == 3:  # the rank's partition, the parameters kept whole, the gathered ones
+        partitioned = states.parameters - states.persistent
+        parameters = e * (math.ceil(partitioned / cluster.num_gpus) + states.persistent) + gathered
+    else:
+        parameters = e * states.parameters
+    offload = cluster.offload_optimizer
+    partition = 0 if offload else e * part  # bf16 gradient partition on the device (ZeRO-2/3)
+    staging = e * states.largest_parameter if offload and zero < 3 else 0  # a gradient on its way to the host
+    if zero == 1:
+        before, during = staging, e * states.trainable + buckets + staging
+    elif zero == 2:
+        before, during = staging, partition + in_flight + buckets + staging
+    else:
+        before = partition + buckets
+        during = before + in_flight
+    optimizer = 0 if offload else (master + moments) * part
+    if zero == 3 and not offload:
+        optimizer += grad32 * min(part, config.sub_group_size)
+    step = (e + grad32) * part if zero < 3 and not offload else before
+    pinned = (master + grad32 + e) * part + staging if offload else 0
+    pageable = moments * part if offload else 0
+    if not config.pin_memory:
+        pinned, pageable = 0, pinned + pageable
+    return RankStates(parameters, gathered, during, before, buckets, optimizer, step, pinned, pageable)
+
+
+def _exchange_buffers(batch_size: int, heads_per_rank: int, contiguous: bool) -> int:
+    """Buffers one all-to-all of :mod:`hf_memo.parallel.collectives` holds at once, in exchanged tensors: a contiguous
+    copy of a strided input, the send buffer (a view with one sequence), the receive buffer, and the re-laid result
+    (one of the other two is a view when ``batch_size * heads_per_rank`` is 1 or ``batch_size`` is 1)."""
+    return 1 + (not contiguous) + (batch_size > 1) + (batch_size * heads_per_rank > 1)
+
+
+def all_to_all_bytes(
+    config: PretrainedConfig, cluster: Cluster, batch_size: int, rank_seq_len: int, element: int
+) -> int:
+    """Bytes hf_memo's Ulysses attention core (:class:`~hf_memo.parallel.memo_attention.UlyssesAttention`) holds
+    beyond the single-GPU core on the rank's ``rank_seq_len`` positions (``S / K``), at its worst moment.
+
+    After an exchange a rank holds all ``S`` positions of ``h / K`` query heads and ``max(h_kv, K) / K`` key-value
+    heads (replicated to ``K`` first when ``K > h_kv``). Forward exchanges q, k, v and the output back; backward
+    exchanges the output gradient, q, k, v and the output (all alive at the core's backward beside dq, dk, dv in the
+    exchanged layout) and the three gradients back. Each exchange also holds its send and receive buffers and a
+    contiguous copy of a strided input: the executor hands in views of ``(B, S, h, D)`` memory, and kernels lay
+    their outputs out likewise. 0 without sequence parallelism. Added to a rank's peak wherever it is, this is an
+    upper bound; it is exact when the step peaks in the attention core.
+    """
+    k = cluster.sequence_parallel
+    if k == 1:
         return 0
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    k = cluster.sequence_parallel
-    tokens = batch_size * seq_len  # all S positions of h / K heads == S / K positions of h heads
-    query = tokens * (heads // k if heads % k == 0 else math.ceil(heads / k)) * head_dim
-    key_value = tokens * math.ceil(max(kv_heads, k) / k) * head_dim
-    return (2 * query + 2 * key_value) * element
+    q_heads, kv_rank_heads = math.ceil(heads / k), math.ceil(max(kv_heads, k) / k)
+    per_head = batch_size * rank_seq_len * k * head_dim * element  # one head, all S positions
+    q, kv = q_heads * per_head, kv_rank_heads * per_head  # exchanged q (= the rank's own q) and k
+    kv_local = batch_size * rank_seq_len * kv_heads * head_dim * element
+    replicated = 2 * kv if k > kv_heads else 0  # k and v repeated to K heads before the exchange
+
+    def buffers(heads_per_rank: int, contiguous: bool) -> int:
+        return _exchange_buffers(batch_size, heads_per_rank, contiguous)
+
+    kv_in = buffers(kv_rank_heads, contiguous=k > kv_heads or kv_heads == 1)  # k, v: replicated, or views
+    q_in, q_out = buffers(q_heads, contiguous=False), buffers(q_heads, contiguous=q_heads == 1)
+    kv_out = buffers(kv_rank_heads, contiguous=kv_rank_heads == 1)
+    lse = batch_size * rank_seq_len * heads * LSE_BYTES
+    forward = max(
+        q_in * q,
+        q + kv_in * kv,
+        q + kv + kv_in * kv,
+        2 * q + 2 * kv + lse,  # q, k, v exchanged and the core's output
+        q + lse + q_out * q,  # the output exchanged back
+    ) - (q + lse)
+    summed = kv + kv_local if k > kv_heads else 0  # a gathered gradient and its sum over the copies
+    backward = max(
+        q_in * q,
+        q + q_in * q,
+        2 * q + kv_in * kv,
+        2 * q + kv + kv_in * kv,
+        2 * q + 2 * kv + q_in * q,  # grad_out, q, k, v exchanged; the output now
+        4 * q + 4 * kv,  # the core's backward: its five inputs and three outputs
+        q + 2 * kv + q_out * q,  # dq exchanged back
+        2 * q + 2 * kv + max(kv_out * kv, summed),  # dk
+        2 * q + 2 * kv + kv_local + max(kv_out * kv, summed),  # dv
+    ) - (q + 2 * kv_local)
+    return replicated + max(forward, backward)
 
 
 def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_temporary: int = 0) -> tuple[Peak, int]:
-    """One rank's device peak from a single-GPU peak at the rank's tokens, and the host bytes its model states take.
+    """One rank's device peak from a single-GPU peak at the rank's tokens, and the host bytes of its model states.
 
-    ``device``'s parameter, gradient and optimizer bytes are replaced by the rank's share; ``extra_temporary``
-    (all-to-all buffers) is added to its temporaries.
+    Without ZeRO the profile's parameter, gradient and optimizer bytes stay; with ZeRO they are DeepSpeed's
+    (:func:`rank_states`): those of backward if the profile peaks once gradients exist, else those before it, or the
+    optimizer step's if that holds more. ``extra_temporary`` (all-to-all buffers) is added to the temporaries.
     """
-    n, zero = cluster.num_gpus, cluster.zero
     by_category = dict(device.by_category)
-    if zero == 3:
-        gathered = math.ceil(states.parameters / n) + 2 * states.largest_layer_parameters
-        by_category["parameter"] = min(by_category["parameter"], gathered)
-    gradient_share = device.by_category["gradient"]
-    host = 0
-    if zero >= 2:  # reduced to their owner as each layer's backward ends: one layer's in flight
-        gradient_share = min(gradient_share, math.ceil(gradient_share / n) + states.largest_layer_gradients)
-    optimizer = states.optimizer if zero == 0 else math.ceil(states.optimizer / n)
-    if cluster.offload_optimizer:  # the optimizer state and the gradients it steps with live on the host
-        host += optimizer + math.ceil(states.gradients / (n if zero >= 2 else 1))
-        optimizer = 0
-        if zero >= 2:
-            gradient_share = min(gradient_share, states.largest_layer_gradients)
-    by_category["gradient"] = gradient_share
-    by_category["optimizer"] = optimizer
     by_category["temporary"] += extra_temporary
-    return replace(device, total=sum(by_category.values()), by_category=by_category), host
+    if cluster.zero == 0:
+        return replace(device, total=sum(by_category.values()), by_category=by_category), 0
+    ranked = rank_states(states, cluster)
+    backward = device.by_category["gradient"] > 0
+    by_category["parameter"] = ranked.parameters
+    by_category["gradient"] = ranked.gradients if backward else ranked.gradients_before_backward
+    by_category["optimizer"] = ranked.optimizer
+    total = sum(by_category.values())
+    if ranked.step_total + by_category["buffer"] > total:
+        step = dict.fromkeys(by_category, 0)
+        step.update(
+            parameter=ranked.parameters - ranked.gathered,
+            gradient=ranked.step_gradients,
+            optimizer=ranked.optimizer,
+            buffer=by_category["buffer"],
+        )
+        return Peak(sum(step.values()), step, device.index, "optimizer step"), ranked.host
+    return replace(device, total=total, by_category=by_category), ranked.host
+
+
+@dataclass(frozen=True)
+class Reserves:
+    """Memory kept out of the estimate's budgets: ``device`` bytes of each GPU, ``host`` bytes of each node, and the
+    share of the rest that may be pinned (see the module's constants for the command line's defaults)."""
+
+    device: int = 0
+    host: int = 0
+    pinnable_fraction: float = 1.0
+
+    @classmethod
+    def defaults(cls, ranks_per_node: int) -> Reserves:
+        """The command line's defaults for a node of ``ranks_per_node`` ranks."""
+        return cls(DEVICE_RESERVE, HOST_RESERVE_NODE + HOST_RESERVE_PER_RANK * ranks_per_node, PINNABLE_FRACTION)

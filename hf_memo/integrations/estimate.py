@@ -27,7 +27,20 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from hf_memo.integrations.cluster import Cluster, ModelStates, all_to_all_bytes, rank_peak
+from hf_memo.integrations.cluster import (
+    DEVICE_RESERVE,
+    HOST_RESERVE_NODE,
+    HOST_RESERVE_PER_RANK,
+    PINNABLE_FRACTION,
+    Cluster,
+    DeepSpeedConfig,
+    GiB,
+    ModelStates,
+    RankStates,
+    all_to_all_bytes,
+    rank_peak,
+    rank_states,
+)
 from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan
 from hf_memo.integrations.memo_estimate import (
     DEFAULT_GPU,
@@ -59,8 +72,7 @@ from hf_memo.integrations.setups import (
 )
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.fake_model import FakeSession
-from hf_memo.profiler.footprint import Footprint, StepProfiler
-from hf_memo.profiler.phases import decoder_layers
+from hf_memo.profiler.footprint import PROFILE_LAYERS, Footprint, StepProfiler
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.search import longest_fitting
 from hf_memo.profiler.shapes import SHAPE_NAMES
@@ -111,6 +123,11 @@ class Estimate:
     gpu: str = DEFAULT_GPU
     cluster: Cluster = field(default_factory=Cluster)
     pinned_memory: int | None = None
+    reserve: int = 0  # bytes of each GPU the step may not use
+    host_reserve: int = 0  # bytes of each node's host memory the ranks may not use
+    states: RankStates | None = None  # one rank's DeepSpeed model states (None without ZeRO)
+    host_per_rank: float | None = None  # host bytes one rank may use (its share, less the reserve)
+    host_memory_limit: int | None = None  # MemoConfig.host_memory_limit every rank must set
     traces: dict[str, AllocationTrace] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,8 +177,9 @@ class Estimate:
         lines = [
             f"{self.model}: {self.layers} layers, {self.dtype}, batch {self.batch_size} x {self.seq_len:,} tokens, "
             f"{'full fine-tuning' if self.trainable == 'full' else f'LoRA (r={LORA_RANK}, PEFT default targets)'}, "
-            f"optimizer {'AdamW (fused, states in the parameter dtype)' if self.optimizer == 'adamw' else 'none'}",
+            f"optimizer {self._optimizer()}",
             f"{self.cluster.describe()}; GPU memory {format_bytes(self.gpu_memory)}{host}",
+            *self._memory_lines(),
             *self._methods(),
             "",
             " " * label_width + "".join(n.rjust(width) for n in names),
@@ -178,11 +196,60 @@ class Estimate:
         )
         if per_rank:
             lines.append(
-                "Per GPU: one rank's activations at S / K tokens plus its Ulysses all-to-all buffers, its ZeRO share "
-                "of parameters, gradients and optimizer state; host memory is the node's, shared by its GPUs."
+                "Per GPU: one rank's activations at S / K tokens plus its Ulysses all-to-all buffers (an upper bound: "
+                "they are added at the peak), its ZeRO share of parameters, gradients and optimizer state; host "
+                "memory is the node's, shared by its GPUs."
             )
         lines += [f"memo policy: {self.modes[n].policy}" for n in names if self.modes[n].policy]
         return "\n".join(lines)
+
+    def _optimizer(self) -> str:
+        """The optimizer and the precision of its states."""
+        if self.optimizer != "adamw":
+            return "none"
+        if self.states is None:
+            return "AdamW (fused, states in the parameter dtype)"
+        if self.cluster.deepspeed.pure_bf16:
+            return "AdamW under DeepSpeed, bf16 master weights, gradients and moments"
+        return "AdamW under DeepSpeed's bf16 mixed precision (fp32 master weights, gradients and moments)"
+
+    def _memory_lines(self) -> list[str]:
+        """What the budgets leave out (reserves), DeepSpeed's model states, and the host limit memo needs."""
+        lines = []
+        if self.reserve or self.host_reserve:
+            lines.append(
+                f"Reserved: {format_bytes(self.reserve)} of each GPU (CUDA context and cuBLAS workspace, NCCL "
+                f"buffers, fragmentation) and {format_bytes(self.host_reserve)} of each node's host memory (OS "
+                "and processes): the step's budgets are what is left."
+            )
+        if self.states is not None:
+            s = self.states
+            lines.append(
+                f"DeepSpeed model states per GPU ({self.cluster.deepspeed.describe()}): device "
+                f"{format_bytes(s.device(True))} in backward (parameters {format_bytes(s.parameters)}, "
+                f"{format_bytes(s.gathered)} of them gathered; gradients {format_bytes(s.gradients)}, "
+                f"{format_bytes(s.buckets)} of them reduce buckets; optimizer {format_bytes(s.optimizer)}), "
+                f"{format_bytes(s.step_total)} at the optimizer step; host {format_bytes(s.host)} "
+                f"({format_bytes(s.host_pinned)} pinned)."
+            )
+        if self.host_per_rank is not None:
+            lines.append(f"Host memory assumed per GPU: {format_bytes(self.host_per_rank)}" + self._host_use())
+        return lines
+
+    def _host_use(self) -> str:
+        """Who takes the host memory of a rank, and the ``MemoConfig.host_memory_limit`` memo needs."""
+        text = "" if self.states is None else f", {format_bytes(self.states.host)} of it DeepSpeed's"
+        if "memo" not in self.modes or self.host_memory_limit is None:
+            return text + "."
+        ranks = self.cluster.ranks_per_node
+        default = "half the RAM available when each process starts" + (
+            f", which {ranks} ranks of a node would over-commit" if ranks > 1 else ""
+        )
+        return (
+            f"{text}; memo's stashes may take {format_bytes(self.host_memory_limit)}: set "
+            f'MemoConfig(host_memory_limit="{self.host_memory_limit // GiB}GiB") in every rank (the default, '
+            f'"auto", is {default}).'
+        )
 
 
 def _seconds(seconds: float | None) -> str:
@@ -299,26 +366,10 @@ class _Job:
             return MemoModel(self.memo_profiler_for, self.batch_size, self.gpu, self.search_limit, k, adjust, traces)
         return FittedFootprint(self.profiler_for(mode), MODES[mode].chunking, self.search_limit, traces)
 
-    def states(self, model: nn.Module) -> ModelStates:
-        """The whole model's parameter, gradient and optimizer bytes (from a profiled model)."""
+    def states(self) -> ModelStates:
+        """The whole model's parameter counts (see :func:`model_states`)."""
         if self._states is None:
-            layer = decoder_layers(model)[0]
-            extra_layers = self.config.get_text_config().num_hidden_layers - len(decoder_layers(model))
-
-            def nbytes(params: Any, trainable_only: bool = False) -> int:
-                return sum(p.numel() * p.element_size() for p in params if p.requires_grad or not trainable_only)
-
-            parameters = nbytes(model.parameters()) + extra_layers * nbytes(layer.parameters())
-            gradients = nbytes(model.parameters(), True) + extra_layers * nbytes(layer.parameters(), True)
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            groups = [layer] + [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
-            self._states = ModelStates(
-                parameters=parameters,
-                gradients=gradients,
-                optimizer=2 * gradients if self.optimizer == "adamw" else 0,  # AdamW: two moments, parameter dtype
-                largest_layer_parameters=max(nbytes(g.parameters()) for g in groups),
-                largest_layer_gradients=max(nbytes(g.parameters(), True) for g in groups),
-            )
+            self._states = model_states(self.config, self.dtype, self.trainable, self.optimizer, self.cluster)
         return self._states
 
     def adjust(self, model: nn.Module) -> Callable[[Peak, int], tuple[Peak, int]]:
@@ -326,10 +377,10 @@ class _Job:
         element = next(p for p in model.parameters() if p.dim() >= 2).element_size()
 
         def adjust(device: Peak, rank_seq_len: int) -> tuple[Peak, int]:
-            if self.cluster.num_gpus == 1 and self.cluster.zero == 0 and not self.cluster.offload_optimizer:
+            if self.cluster.num_gpus == 1 and self.cluster.zero == 0:
                 return device, 0
             a2a = all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element)
-            return rank_peak(device, self.states(model), self.cluster, a2a)
+            return rank_peak(device, self.states(), self.cluster, a2a)
 
         return adjust
 
@@ -467,6 +518,8 @@ def estimate(
     cluster: Cluster | None = None,
     pinned_memory: int | str | None = None,
     workers: int | None = None,
+    reserve: int | str | None = None,
+    host_reserve: int | str | None = None,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -474,8 +527,9 @@ def estimate(
         model_or_config: a built-in name (``"llama-3-8b"``, ...), a path to a ``config.json``, a
             ``PretrainedConfig``, or a model (only its config is used; nothing is run on it).
         seq_len: tokens per sequence ``S`` (an int or ``"128k"``); batches are ``(batch_size, S)``.
-        gpu_memory: device memory per GPU (``"80GiB"``, ``"80GB"`` or bytes).
-        host_memory: host memory per node for offloaded tensors; ``None`` puts no limit on it.
+        gpu_memory: device memory per GPU (``"80GiB"``, ``"80GB"`` or bytes); the step may use it less ``reserve``.
+        host_memory: host memory per node for offloaded tensors (DeepSpeed's optimizer states and memo's
+            stashes), less ``host_reserve``, shared by its ranks; ``None`` puts no limit on it.
         batch_size: sequences per step (per data-parallel group).
         trainable: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA, r=8, PEFT's default targets).
         optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
@@ -488,9 +542,14 @@ def estimate(
         progress: show a progress bar.
         gpu: the GPU whose peak FLOP/s and host bandwidth bound the step time (``"h100"``, ``"h200"``, ``"a100"``).
         cluster: ranks, sequence parallelism, ZeRO stage and optimizer offload (default: one GPU).
-        pinned_memory: host memory per node offloaded activations may pin (default: all of ``host_memory``).
+        pinned_memory: host memory per node that may be pinned (DeepSpeed's pinned offloaded states and memo's
+            stashes); default: no limit beyond ``host_memory``. The command line's default is
+            :data:`~hf_memo.integrations.cluster.PINNABLE_FRACTION` of the host memory left after the reserve.
         workers: processes that run the profiles side by side (default: one per CPU this process may use, at most
             :data:`MAX_WORKERS`; the answer does not depend on it).
+        reserve: bytes of each GPU the step may not use (CUDA context, NCCL, fragmentation); default none (the
+            command line's is :data:`~hf_memo.integrations.cluster.DEVICE_RESERVE`).
+        host_reserve: bytes of each node's host memory its ranks may not use (OS, processes); default none.
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -514,12 +573,10 @@ def estimate(
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
     spec = gpu_of(gpu)
-    ranks = cluster.ranks_per_node
-    budget = Budget(
-        float(gpu_bytes),
-        None if host_bytes is None else host_bytes / ranks,
-        None if pinned_bytes is None else pinned_bytes / ranks,
-    )
+    reserve_bytes = 0 if reserve is None else parse_bytes(reserve)
+    host_reserve_bytes = 0 if host_reserve is None else parse_bytes(host_reserve)
+    ranked = rank_states(model_states(config, dtype, trainable, optimizer, cluster), cluster) if cluster.zero else None
+    budget = rank_budget(gpu_bytes, host_bytes, pinned_bytes, reserve_bytes, host_reserve_bytes, cluster, ranked)
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
     results: dict[str, ModeEstimate] = {}
     traces: dict[str, AllocationTrace] = {}
@@ -551,8 +608,50 @@ def estimate(
         gpu=gpu.lower(),
         cluster=cluster,
         pinned_memory=pinned_bytes,
+        reserve=reserve_bytes,
+        host_reserve=host_reserve_bytes,
+        states=ranked,
+        host_per_rank=budget.host,
+        host_memory_limit=None if budget.host is None else int(budget.stash_room(ranked.host if ranked else 0)),
         traces=traces,
     )
+
+
+def model_states(config: Any, dtype: torch.dtype, trainable: str, optimizer: str, cluster: Cluster) -> ModelStates:
+    """The whole model's parameter counts, from a fake copy of the trained model (LoRA applied) with fewer layers."""
+
+    def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
+        return with_lora(model, session) if trainable == "lora" else model
+
+    model = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
+    layers = config.get_text_config().num_hidden_layers
+    threshold = cluster.deepspeed.param_persistence_threshold
+    return ModelStates.of(model, layers, optimizer == "adamw", threshold)
+
+
+def rank_budget(
+    gpu_bytes: int,
+    host_bytes: int | None,
+    pinned_bytes: int | None,
+    reserve: int,
+    host_reserve: int,
+    cluster: Cluster,
+    ranked: RankStates | None,
+) -> Budget:
+    """One rank's budget: the GPU's memory less ``reserve``; its share of the node's host memory less
+    ``host_reserve``; its share of what may be pinned less DeepSpeed's pinned states (``ranked``)."""
+    if reserve >= gpu_bytes:
+        raise ValueError(f"reserve ({format_bytes(reserve)}) must be less than gpu_memory ({format_bytes(gpu_bytes)})")
+    if host_bytes is not None and host_reserve >= host_bytes:
+        raise ValueError(
+            f"host_reserve ({format_bytes(host_reserve)}) must be less than host_memory ({format_bytes(host_bytes)})"
+        )
+    ranks = cluster.ranks_per_node
+    pinned = None
+    if pinned_bytes is not None:
+        pinned = max(pinned_bytes / ranks - (ranked.host_pinned if ranked else 0), 0.0)
+    host = None if host_bytes is None else (host_bytes - host_reserve) / ranks
+    return Budget(float(gpu_bytes - reserve), host, pinned)
 
 
 # -- command line --------------------------------------------------------------------------------------
@@ -578,7 +677,22 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="host memory per node for offloaded tensors, e.g. 1TiB (default: this machine's, from psutil)",
     )
     parser.add_argument(
-        "--pinned-memory", default=None, help="host memory per node that may be pinned (default: all of it)"
+        "--reserve",
+        default=f"{DEVICE_RESERVE // GiB}GiB",
+        help="memory of each GPU the step may not use: CUDA context and cuBLAS workspace (~0.6 GiB), NCCL "
+        f"buffers (~1 GiB), allocator fragmentation (~1.4 GiB) (default {DEVICE_RESERVE // GiB}GiB)",
+    )
+    parser.add_argument(
+        "--host-reserve",
+        default=None,
+        help="host memory per node the ranks may not use: the OS and the processes (default "
+        f"{HOST_RESERVE_NODE // GiB}GiB + {HOST_RESERVE_PER_RANK // GiB}GiB per GPU of the node)",
+    )
+    parser.add_argument(
+        "--pinned-memory",
+        default=None,
+        help="host memory per node that may be pinned (default: "
+        f"{PINNABLE_FRACTION:.0%} of what the host reserve leaves)",
     )
     parser.add_argument(
         "--gpu", default=DEFAULT_GPU, help=f"GPU of the step-time bound: {', '.join(GPUS)} (default {DEFAULT_GPU})"
@@ -593,7 +707,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--zero", default="0", help="ZeRO stage: 0 (default), 1, 2 or 3")
     parser.add_argument(
-        "--offload-optimizer", action="store_true", help="keep the optimizer state (and its gradients) on the host"
+        "--offload-optimizer",
+        action="store_true",
+        help="DeepSpeed offload_optimizer: master weights, fp32 gradients and AdamW moments on the host",
+    )
+    parser.add_argument(
+        "--pure-bf16",
+        action="store_true",
+        help="DeepSpeed with bf16 master weights, gradients and AdamW moments (bf16_master_weights_and_grads, "
+        "bf16_optimizer_states); default: fp32 ones (bf16 mixed precision)",
     )
     parser.add_argument(
         "--modes",
@@ -620,20 +742,53 @@ def cluster_of(args: argparse.Namespace) -> Cluster:
     if num_gpus % sp:
         raise ValueError(f"--sequence-parallel must divide --num-gpus ({num_gpus}), got {args.sequence_parallel!r}")
     zero = int(choice("--zero", args.zero, ["0", "1", "2", "3"]))
-    return Cluster(num_gpus, sp, zero, args.offload_optimizer, per_node)
+    if zero == 0 and (args.offload_optimizer or args.pure_bf16):
+        raise ValueError("--offload-optimizer and --pure-bf16 are DeepSpeed ZeRO settings: they need --zero 1, 2 or 3")
+    return Cluster(num_gpus, sp, zero, args.offload_optimizer, per_node, DeepSpeedConfig(pure_bf16=args.pure_bf16))
+
+
+def memory_of(args: argparse.Namespace, cluster: Cluster) -> dict[str, int]:
+    """The command line's memory sizes (``estimate``'s keyword arguments), its defaults filled in; errors name
+    the flags."""
+    gpu = parse("--gpu-memory", parse_bytes, args.gpu_memory)
+    host = (
+        psutil.virtual_memory().total
+        if args.host_memory is None
+        else parse("--host-memory", parse_bytes, args.host_memory)
+    )
+    reserve = parse("--reserve", parse_bytes, args.reserve)
+    default_host_reserve = HOST_RESERVE_NODE + HOST_RESERVE_PER_RANK * cluster.ranks_per_node
+    host_reserve = (
+        default_host_reserve if args.host_reserve is None else parse("--host-reserve", parse_bytes, args.host_reserve)
+    )
+    if reserve >= gpu:
+        raise ValueError(f"--reserve ({format_bytes(reserve)}) must be less than --gpu-memory ({format_bytes(gpu)})")
+    if host_reserve >= host:
+        raise ValueError(
+            f"--host-reserve ({format_bytes(host_reserve)}) must be less than --host-memory ({format_bytes(host)})"
+        )
+    pinned = (
+        int(PINNABLE_FRACTION * (host - host_reserve))
+        if args.pinned_memory is None
+        else parse("--pinned-memory", parse_bytes, args.pinned_memory)
+    )
+    return {
+        "gpu_memory": gpu,
+        "host_memory": host,
+        "pinned_memory": pinned,
+        "reserve": reserve,
+        "host_reserve": host_reserve,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
         choice("--modes", mode, list(MODES))
+    cluster = cluster_of(args)
     result = estimate(
         args.model,
         parse("--seq-len", parse_tokens, args.seq_len),
-        gpu_memory=parse("--gpu-memory", parse_bytes, args.gpu_memory),
-        host_memory=psutil.virtual_memory().total
-        if args.host_memory is None
-        else parse("--host-memory", parse_bytes, args.host_memory),
         batch_size=positive_int("--batch", args.batch),
         trainable=choice("--trainable", args.trainable, TRAINABLE),
         optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
@@ -642,9 +797,9 @@ def run(args: argparse.Namespace) -> int:
         search=not args.no_search,
         keep_traces=bool(args.plot or args.trace_dir),
         gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
-        cluster=cluster_of(args),
-        pinned_memory=None if args.pinned_memory is None else parse("--pinned-memory", parse_bytes, args.pinned_memory),
+        cluster=cluster,
         workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
+        **memory_of(args, cluster),
     )
     if args.trace_dir:
         folder = Path(args.trace_dir)
