@@ -116,7 +116,7 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    folder = results_folder(args.out)
+    _, folder = results_folder(args.out)
     (folder / "policy_exactness.json").write_text(json.dumps(rows, indent=1) + "\n")
     lines = [
         "| question | answer | policy | device est. | device direct | error | host est. | host direct | error | "

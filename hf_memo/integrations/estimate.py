@@ -66,10 +66,12 @@ from hf_memo.integrations.setups import (
     choice,
     config_of,
     memo_with_offload,
+    memo_with_policy,
     parse,
     positive_int,
     with_lora,
 )
+from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS, Footprint, StepProfiler
@@ -299,6 +301,7 @@ class _Job:
         self.config, self.name, self.dtype, self.batch_size = config, name, dtype, batch_size
         self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
+        self.workers: int | None = None  # processes profiles run in (closed_forms sets it)
         self.dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
         self._states: ModelStates | None = None
 
@@ -351,10 +354,20 @@ class _Job:
         """A fresh-model profiler of the memo mode with a fixed offload fraction and those chunk settings."""
         return self.profiler("memo", memo_with_offload(fraction, chunks))
 
+    def policy_profiler_for(self, policy: MemoryPolicy, chunks: Chunks) -> StepProfiler:
+        """A fresh-model profiler of the memo mode running ``policy`` with those chunk settings."""
+        return self.profiler("memo", memo_with_policy(policy, chunks))
+
+    def run_jobs(self, jobs: Sequence[Callable[[], AllocationTrace]]) -> list[AllocationTrace]:
+        """Traces of ``jobs``, run side by side (memo's further policy profiles), on the progress bar."""
+        self.bar.reset(total=len(jobs))
+        self.bar.set_postfix_str("memo: profiles of its chosen policy")
+        return run_side_by_side(jobs, self.workers, lambda index: self.bar.update())
+
     def profile_jobs(self, mode: str) -> list[Callable[[], AllocationTrace]]:
         """The profiles ``mode``'s closed form is fitted to (see :meth:`closed_form`), as jobs."""
         if mode == "memo":
-            return MemoModel.jobs(self.memo_profiler_for, self.search_limit)
+            return MemoModel.jobs(self.memo_profiler_for, self.policy_profiler_for, self.search_limit)
         base = self.profiler_for(mode)(BASE_CHUNKS)
         return ProfilePlan.of(base, MODES[mode].chunking, self.search_limit).jobs(self.profiler_for(mode))
 
@@ -363,7 +376,17 @@ class _Job:
         if mode == "memo":
             adjust = self.adjust(self.memo_profiler_for(0.0, AUTO_CHUNKS).model(MODES["memo"].profile_layers[0]))
             k = self.cluster.sequence_parallel
-            return MemoModel(self.memo_profiler_for, self.batch_size, self.gpu, self.search_limit, k, adjust, traces)
+            return MemoModel(
+                self.memo_profiler_for,
+                self.batch_size,
+                self.gpu,
+                self.search_limit,
+                k,
+                adjust,
+                traces,
+                self.policy_profiler_for,
+                self.run_jobs,
+            )
         return FittedFootprint(self.profiler_for(mode), MODES[mode].chunking, self.search_limit, traces)
 
     def states(self) -> ModelStates:
@@ -492,13 +515,17 @@ def closed_forms(job: _Job, modes: Sequence[str], workers: int | None) -> dict[s
         job.bar.update()
 
     workers = min(usable_cpus(), MAX_WORKERS) if workers is None else workers
+    job.workers = workers
     traces = run_side_by_side([jobs[mode][index] for mode, index in order], workers, on_done)
     by_mode: dict[str, list[AllocationTrace]] = {mode: [None] * len(jobs[mode]) for mode in missing}  # type: ignore[misc]
     for (mode, index), trace in zip(order, traces):
         by_mode[mode][index] = trace
     for mode in missing:
         _CLOSED_FORMS[job.key(mode)] = job.closed_form(mode, by_mode[mode])
-    return {mode: _CLOSED_FORMS[job.key(mode)] for mode in modes}
+    forms = {mode: _CLOSED_FORMS[job.key(mode)] for mode in modes}
+    if "memo" in forms:
+        forms["memo"].run_jobs = job.run_jobs  # a cached model profiles any further policy on this question's bar
+    return forms
 
 
 def estimate(

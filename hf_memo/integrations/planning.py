@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
+from hf_memo.integrations.policy_sizing import twin_preparer
+from hf_memo.patches.apply import applied_config, causal_lm_of, memo_runtime
 from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.profiler.fake_model import fake_causal_lm
@@ -51,16 +50,7 @@ def plan_training_step(
     kernels = device_target(weight.device)
     fake, session = fake_causal_lm(target.config, weight.dtype)
     with session:
-        peft_config = getattr(model, "peft_config", None)
-        if peft_config is not None:
-            from peft import get_peft_model
-
-            with session.converting_modules():
-                fake = get_peft_model(fake, copy.deepcopy(next(iter(peft_config.values()))))
-        # ``seq_len`` is this rank's shard under sequence parallelism: it is profiled as one device's step
-        # (the executor's buffers hold the shard's activations; the attention statistics it keeps in the
-        # exchanged layout have the same size as the shard's).
-        apply(fake, config.replace(planner="off", sequence_parallel_size=1))
+        fake = twin_preparer(model)(fake, session)
         runtime = memo_runtime(model)
         if offload is None and runtime is not None:
             offload = runtime.offload_for(batch_size, seq_len)

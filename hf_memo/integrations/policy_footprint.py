@@ -15,8 +15,10 @@ every block at 2 layers and each block in turn at 3, at two lengths, plus two wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import partial
 
 import numpy as np
@@ -32,7 +34,17 @@ from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import stretch
 
 FIT_COUNT = 3  # layers per block in the base profiles (the copy buffers are all in use from the third)
-ALPHA_CHUNKS = 16  # MLP chunks of profiles of a policy with alphas: the solver's grid, so no alpha is rounded
+ALPHA_GRID = 16  # the finest alpha grid the solvers use (1/16)
+
+
+def alpha_chunks(kinds: Sequence[LayerPolicy]) -> int:
+    """The fewest MLP chunks (at least 2) in which every alpha of ``kinds`` is whole chunks: profiles cut this many,
+    so the executor rounds no alpha down (alphas are multiples of ``1 / ALPHA_GRID``)."""
+    lcm = 2
+    for kind in kinds:
+        denominator = Fraction(round(kind.alpha * ALPHA_GRID), ALPHA_GRID).denominator
+        lcm = lcm * denominator // math.gcd(lcm, denominator)
+    return lcm
 
 
 @dataclass(frozen=True)
@@ -119,11 +131,12 @@ PolicyPoint = tuple[tuple[int, ...], int, Chunks]  # (block counts, seq_len, chu
 def fit_points(kinds: Sequence[LayerPolicy], max_seq_len: int = 1 << 24) -> list[PolicyPoint]:
     """The profiles a shape's closed form is fitted to (see the module docstring)."""
     longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
-    mlp = ALPHA_CHUNKS if any(kind.alpha for kind in kinds) else 2
+    mlp = alpha_chunks(kinds)
     base = (FIT_COUNT,) * len(kinds)
     configs = [base] + [base[:i] + (FIT_COUNT + 1,) + base[i + 1 :] for i in range(len(kinds))]
     points: list[PolicyPoint] = [(c, s, (mlp, 2)) for c in configs for s in (longer // 2, longer)]
-    return points + [(base, longer, (2 * mlp if mlp > 2 else 3, 2)), (base, longer, (mlp, 3))]
+    more = 3 if mlp == 2 and all(kind.alpha in (0.0, 1.0) for kind in kinds) else 2 * mlp  # alphas stay whole
+    return points + [(base, longer, (more, 2)), (base, longer, (mlp, 3))]
 
 
 def _trace(profiler_for: ProfilerFor, kinds: tuple[LayerPolicy, ...], point: PolicyPoint) -> AllocationTrace:

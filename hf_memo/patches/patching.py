@@ -26,6 +26,7 @@ from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.sample_attention import install_sample_attention
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.model_planner import plan_patched_model
+from hf_memo.runtime.policy_sizer import size_policy
 
 _STATE_ATTR = "_hf_memo_patch"
 
@@ -71,7 +72,7 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     runtime = None
     if config.recompute == "memo":
         planner = partial(plan_patched_model, model) if config.planner != "off" else None
-        runtime = MemoRuntime(config, len(layers), planner, model.parameters)
+        runtime = MemoRuntime(config, len(layers), planner, model.parameters, partial(size_policy, model))
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
         width = family.intermediate_size(model.config.get_text_config())
         for module in model.modules():

@@ -61,6 +61,7 @@ BACKWARD_WORKSPACE_FACTOR = 2
 # A layer's backward computes about twice its forward's FLOPs (a gradient for the input and one for the weights):
 # the policy solver's T_b, which the runtime does not time.
 BACKWARD_TO_FORWARD = 2
+SIZING_SOLVES = 6  # solves per step shape, each short by what the previous policy's own profile needed over the limit
 SOLVER_ALPHA_STEPS = 16  # the finest alpha grid the policy solver searches (the executor rounds down to chunks)
 
 
@@ -101,6 +102,9 @@ class StepMeasurements:
             allocated now (weights, gradients, optimizer state) minus the backward's workspace (``None``: no
             limit, CPU with ``device_memory_limit="auto"``).
         requested_alpha: ``MemoConfig.offload_fraction`` when not ``"auto"``.
+        batch_size: sequences of the step (``tokens / batch_size`` is its bucket's length).
+        device_limit: device bytes the step may use (``None``: no limit).
+        device_in_use: device bytes allocated now plus the gradients the backward will allocate.
     """
 
     num_layers: int
@@ -113,6 +117,9 @@ class StepMeasurements:
     host_budget: float
     device_budget: float | None
     requested_alpha: float | None
+    batch_size: int = 1
+    device_limit: int | None = None
+    device_in_use: int = 0
 
 
 COPY_SLOTS = ("rounding", "prefetch")
@@ -147,6 +154,11 @@ class MemoRuntime:
             (``config.planner`` on).
         parameters: the model's parameters (e.g. ``model.parameters``): the gradients they do not hold yet,
             which the backward will allocate, are kept out of the device budget.
+        sizer: ``sizer(batch_size, seq_len, policy)`` -> the device bytes a step of that shape holds at its peak
+            under ``policy`` beyond the model states (from profiles of that policy, see
+            :mod:`~hf_memo.runtime.policy_sizer`): with a device limit, the solver's policy is checked against it
+            and solved again with the budget short by what was over, until its own profile fits (``None``, or the
+            attribute ``sizer`` set to ``None``: the solver's policy as it is).
 
     With a device limit, a shape decided before any optimizer step is decided again at its first step after
     one: the optimizer's state (e.g. AdamW's two moments) only takes device memory from its first step on.
@@ -158,8 +170,10 @@ class MemoRuntime:
         num_layers: int,
         planner: Callable[..., MemoryPlan] | None = None,
         parameters: Callable[[], Iterable[torch.nn.Parameter]] | None = None,
+        sizer: Callable[[int, int, MemoryPolicy], int] | None = None,
     ) -> None:
         self.config = config
+        self.sizer = sizer
         self.num_layers = num_layers
         self.memory_plan: MemoryPlan | None = None
         self._planner = planner
@@ -186,7 +200,7 @@ class MemoRuntime:
         """A runtime for a copy of the model: same config, planner (bound to the copy) and assumed policy; what
         was measured, decided and allocated for the original is not carried over (the copy decides its own)."""
         planner, parameters = copy.deepcopy(self._planner, memo), copy.deepcopy(self._parameters, memo)
-        copied = MemoRuntime(self.config, self.num_layers, planner, parameters)
+        copied = MemoRuntime(self.config, self.num_layers, planner, parameters, copy.deepcopy(self.sizer, memo))
         copied.host_limit, copied._policy, copied._fixed = self.host_limit, self._policy, self._fixed
         return copied
 
@@ -319,14 +333,7 @@ class MemoRuntime:
             other_seconds=forward - attention,
         )
         try:
-            return solve_policy(
-                measured.num_layers,
-                costs,
-                measured.bandwidth,
-                max(measured.device_budget, 0.0),
-                measured.host_budget,
-                min(measured.chunks, SOLVER_ALPHA_STEPS),
-            )
+            return self._sized(measured, costs)
         except PolicyDoesNotFit as error:
             # The smallest stash is per token: the budgets hold about this share of the step's tokens.
             shares = [
@@ -344,6 +351,35 @@ class MemoRuntime:
                 error.device_shortfall,
                 error.host_shortfall,
             ) from None
+
+    def _sized(self, measured: StepMeasurements, costs: LayerCosts) -> MemoryPolicy:
+        """The solver's policy for ``measured``, solved again (at most ``SIZING_SOLVES`` times) with the device
+        budget short by what the sizer finds over the limit, until the policy's own profile fits."""
+        room = max(measured.device_budget, 0.0)
+        steps = min(measured.chunks, SOLVER_ALPHA_STEPS)
+        for _ in range(SIZING_SOLVES):
+            policy = solve_policy(measured.num_layers, costs, measured.bandwidth, room, measured.host_budget, steps)
+            if self.sizer is None or measured.device_limit is None:
+                return policy
+            seq_len = measured.tokens // measured.batch_size
+            need = measured.device_in_use + self.sizer(measured.batch_size, seq_len, policy)
+            if need <= measured.device_limit:
+                return policy
+            logger.info(
+                "hf_memo: policy %s needs %d device bytes over the limit; solving again",
+                policy.summary(),
+                need - measured.device_limit,
+            )
+            room -= need - measured.device_limit + 1
+            if room < 0:
+                break
+        short = need - measured.device_limit
+        raise PolicyDoesNotFit(
+            f"the policies the solver finds need more device memory than the limit once profiled ({policy.summary()}: "
+            f"{short / 2**30:.3f} GiB over)",
+            short,
+            0.0,
+        )
 
     def _measure(
         self, split: LayerSplit, x: torch.Tensor, bounds: list[tuple[int, int]], core: AttentionCore
@@ -370,7 +406,7 @@ class MemoRuntime:
             bandwidth, layer_time = self._bandwidth[x.device], self.config.layer_time or timing.seconds
         if timing is not None:  # the timed share of attention, of the layer time used (configured or timed)
             attention_time = timing.attention_seconds * (layer_time or timing.seconds) / max(timing.seconds, 1e-12)
-        device_budget = None
+        device_budget, in_use = None, 0
         if device_limit is not None:
             workspace = 0 if timing is None else timing.workspace_bytes
             in_use = _device_in_use(x.device) + self._gradients_to_come(x.device)
@@ -386,6 +422,9 @@ class MemoRuntime:
             host_budget=self.host_limit,
             device_budget=device_budget,
             requested_alpha=requested,
+            batch_size=x.shape[0],
+            device_limit=device_limit,
+            device_in_use=in_use,
         )
         group = getattr(core, "group", None)  # a sequence-parallel core's process group
         if group is not None and requested is None and device_budget is not None:
