@@ -22,14 +22,15 @@ partition and AdamW moments by default, sharded over all ``N`` ranks; bf16 weigh
 - ``offload_optimizer``: master weights, fp32 gradients and moments, ``16 T / N``, plus bf16 staging buffers
   (``e T / N``) live on the host, pinned except the moments; the device keeps only the gradients in flight.
 
-Reserves (:class:`Reserves`): the CUDA context, NCCL and allocator fragmentation come off each GPU's memory; an
-OS/process reserve off each node's host memory, of which a fraction may be pinned (DeepSpeed pins its offloaded
-states, hf_memo its stashes).
+Reserves (the command line's defaults below): the CUDA context, NCCL and allocator fragmentation come off each GPU's
+memory; an OS/process reserve off each node's host memory, of which a fraction may be pinned (DeepSpeed pins its
+offloaded states, hf_memo its stashes).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -177,28 +178,35 @@ class ModelStates:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         regions = [layer] + [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
 
-        def count(module: nn.Module, keep=lambda p: True) -> int:  # noqa: ANN001 - a parameter predicate
-            return sum(p.numel() for p in module.parameters() if keep(p))
-
-        def whole(keep=lambda p: True) -> int:  # noqa: ANN001 - a parameter predicate
-            return count(model, keep) + extra * count(layer, keep)
-
-        def trainable(p: nn.Parameter) -> bool:
-            return p.requires_grad
+        def whole(keep: Callable[[nn.Parameter], bool] = _any) -> int:
+            return _count(model, keep) + extra * _count(layer, keep)
 
         def small(p: nn.Parameter) -> bool:
             return p.numel() <= persistence_threshold
 
         return cls(
             parameters=whole(),
-            trainable=whole(trainable),
+            trainable=whole(_trainable),
             element_size=next(p for p in model.parameters() if p.dim() >= 2).element_size(),
-            largest_region=max(count(region) for region in regions),
-            largest_region_trainable=max(count(region, trainable) for region in regions),
+            largest_region=max(_count(region) for region in regions),
+            largest_region_trainable=max(_count(region, _trainable) for region in regions),
             largest_parameter=max(p.numel() for p in model.parameters()),
             persistent=whole(small),
             optimizer=optimizer,
         )
+
+
+def _any(parameter: nn.Parameter) -> bool:
+    return True
+
+
+def _trainable(parameter: nn.Parameter) -> bool:
+    return parameter.requires_grad
+
+
+def _count(module: nn.Module, keep: Callable[[nn.Parameter], bool] = _any) -> int:
+    """Elements of ``module``'s parameters that ``keep`` accepts (shared ones once)."""
+    return sum(p.numel() for p in module.parameters() if keep(p))
 
 
 @dataclass(frozen=True)
@@ -371,18 +379,3 @@ def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_tempora
         )
         return Peak(sum(step.values()), step, device.index, "optimizer step"), ranked.host
     return replace(device, total=total, by_category=by_category), ranked.host
-
-
-@dataclass(frozen=True)
-class Reserves:
-    """Memory kept out of the estimate's budgets: ``device`` bytes of each GPU, ``host`` bytes of each node, and the
-    share of the rest that may be pinned (see the module's constants for the command line's defaults)."""
-
-    device: int = 0
-    host: int = 0
-    pinnable_fraction: float = 1.0
-
-    @classmethod
-    def defaults(cls, ranks_per_node: int) -> Reserves:
-        """The command line's defaults for a node of ``ranks_per_node`` ranks."""
-        return cls(DEVICE_RESERVE, HOST_RESERVE_NODE + HOST_RESERVE_PER_RANK * ranks_per_node, PINNABLE_FRACTION)
