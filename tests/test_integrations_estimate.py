@@ -102,7 +102,7 @@ def test_a_new_mode_is_one_table_entry_and_host_bytes_count_as_host_memory(monke
 
 
 def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_path):
-    argv = ["estimate", "--model", config_path, "--seq-len", "2k", "--gpu-memory", "24MiB"]
+    argv = ["estimate", "--model", config_path, "--seq-len", "2k", "--gpu-memory", "24MiB", "--reserve", "0GiB"]
     assert cli.main(argv + ["--modes", "vanilla,minseq"]) == 0
     table = capsys.readouterr().out
     assert "vanilla" in table and "minseq" in table and "hf-checkpointing" not in table
@@ -180,7 +180,8 @@ def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
         config_path, 8192, 24 * MiB, host_memory=64 * MiB, modes=["minseq"], cluster=cluster, progress=False
     )
     single, rank = one.modes["minseq"].footprint.device.by_category, eight.modes["minseq"].footprint.device.by_category
-    assert rank["parameter"] < single["parameter"] and rank["optimizer"] == 0 < single["optimizer"]
+    # every parameter of this tiny model is under ZeRO-3's persistence threshold (1e5 elements): whole on every rank
+    assert rank["parameter"] == single["parameter"] and rank["optimizer"] == 0 < single["optimizer"]
     assert rank["activation"] < single["activation"]  # S / 8 tokens per rank
     assert eight.modes["minseq"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
     assert eight.modes["minseq"].binding in ("device", "host", "pinned")
