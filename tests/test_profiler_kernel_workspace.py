@@ -12,7 +12,6 @@ from hf_memo.profiler.kernel_workspace import (
     AttentionCall,
     KernelTarget,
     backward_workspace,
-    device_target,
     efficient_backward_workspace_bytes,
     flash_forward_splits,
     forward_workspace,
@@ -20,6 +19,7 @@ from hf_memo.profiler.kernel_workspace import (
     workspace_hook,
 )
 from hf_memo.profiler.step import trace_training_step
+from hf_memo.runtime.attention_core import device_target
 
 BF16, F32 = torch.bfloat16, torch.float32
 # Llama-3-8B's attention (32 query heads, 8 KV heads, head size 128) at 32K tokens

@@ -10,8 +10,8 @@ from hf_memo.patches.apply import applied_config, causal_lm_of, memo_runtime
 from hf_memo.planner.bilevel import plan_memory
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.profiler.fake_model import fake_causal_lm
-from hf_memo.profiler.kernel_workspace import device_target
 from hf_memo.profiler.step import trace_training_step
+from hf_memo.runtime.attention_core import device_target
 from hf_memo.runtime.memo import OffloadDecision
 from hf_memo.runtime.model_planner import register_model_planner
 

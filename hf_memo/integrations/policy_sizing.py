@@ -21,7 +21,7 @@ from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runt
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import StepProfiler
-from hf_memo.profiler.kernel_workspace import device_target
+from hf_memo.runtime.attention_core import device_target
 from hf_memo.runtime.policy_sizer import register_policy_sizer
 
 STATES = ("parameter", "buffer", "gradient", "optimizer")  # what the runtime counts itself (in use, still to come)

@@ -45,12 +45,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from hf_memo.runtime import flash_attn_package
-from hf_memo.runtime.attention_core import needs_kv_expansion, select_backend
-
 KERNELS = ("flash-attn", "cuda-flash", "cuda-efficient", "cpu")
 HALF = (torch.float16, torch.bfloat16)
 H100_SMS = 132  # streaming multiprocessors of an H100 SXM / H200 (compute capability 9.0)
+FLASH_HEAD_DIMS = range(8, 257, 8)  # head sizes the CUDA flash kernels take without padding
+CPU_FLASH_GQA_SINCE = (2, 13)  # torch release whose CPU flash kernel was checked to take h_kv < h heads
+
+
+def flash_eligible(dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None) -> bool:
+    """Whether the CUDA flash kernels (flash-attn 2, PyTorch's copy) take attention in ``dtype`` with head size
+    ``head_dim`` on a GPU of compute ``capability`` (they need fp16/bf16 and 8.0 or newer); the runtime's rule."""
+    return (
+        dtype in (torch.float16, torch.bfloat16)
+        and head_dim in FLASH_HEAD_DIMS
+        and capability is not None
+        and capability >= (8, 0)
+    )
+
+
+def needs_kv_expansion(backend: str) -> bool:
+    """Whether ``backend`` needs K/V expanded to the query heads (it does not take ``h_kv < h`` natively)."""
+    if backend == "cpu-flash":
+        return tuple(int(part) for part in torch.__version__.split(".")[:2]) < CPU_FLASH_GQA_SINCE
+    return backend == "cuda-efficient"
+
+
 FLASH_ATTN = "Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp"
 TORCH_FLASH = "pytorch aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp"
 TORCH_ATTENTION = "pytorch aten/src/ATen/native/transformers/cuda/attention_backward.cu"
@@ -397,7 +416,8 @@ class KernelTarget:
     def kernel_for(self, call: AttentionCall, masked: bool = False) -> str:
         """The kernel ``call`` runs on this target.
 
-        The runtime's rule (:func:`~hf_memo.runtime.attention_core.select_backend`) with this target's
+        The runtime's rule (:func:`flash_eligible`, as :func:`~hf_memo.runtime.attention_core.select_backend` uses it)
+        with this target's
         flash-attn instead of this machine's; a call with an attention mask (Transformers with padding) runs
         the memory-efficient kernel, as the flash kernels take none.
         """
@@ -407,10 +427,9 @@ class KernelTarget:
             return "cpu"
         if masked:
             return "cuda-efficient"
-        backend = select_backend("cuda", call.dtype, call.head_dim, call.dropout_p, self.capability)
-        if backend in ("flash-attn", "cuda-flash"):
-            return "flash-attn" if self.flash_attn else "cuda-flash"
-        return backend
+        if not flash_eligible(call.dtype, call.head_dim, self.capability):
+            return "cuda-efficient"
+        return "flash-attn" if self.flash_attn else "cuda-flash"
 
 
 CUDA = KernelTarget()
@@ -431,19 +450,6 @@ def kernel_target(kernels: str | KernelTarget) -> KernelTarget:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be 'cuda', 'cpu' or one of {', '.join(KERNELS)}, got {kernels!r}")
     return KernelTarget(kernel=kernels)
-
-
-def device_target(device: torch.device) -> KernelTarget:
-    """The target of a real model on ``device``: its GPU as it is (this process's flash-attn), or the CPU."""
-    if device.type != "cuda":
-        return CPU
-    properties = torch.cuda.get_device_properties(device)
-    return KernelTarget(
-        "cuda",
-        (properties.major, properties.minor),
-        flash_attn_package.flash_attn_interface() is not None,
-        properties.multi_processor_count,
-    )
 
 
 def forward_workspace(kernel: str, call: AttentionCall, sms: int = H100_SMS) -> Workspace:

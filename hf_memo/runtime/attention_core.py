@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 
+from hf_memo.profiler.kernel_workspace import CPU, KernelTarget, flash_eligible, needs_kv_expansion
 from hf_memo.runtime import flash_attn_package
 from hf_memo.runtime.dropout_attention import draw_seed, dropout_attention_backward, dropout_attention_forward
 
 _ops = torch.ops.aten
-CPU_FLASH_GQA_SINCE = (2, 13)  # torch release whose CPU flash kernel was checked to take h_kv < h heads
-FLASH_HEAD_DIMS = range(8, 257, 8)  # head sizes the CUDA flash kernels take without padding
 
 
 @dataclass
@@ -90,13 +89,7 @@ def select_backend(
         return "cpu-dropout" if dropout_p > 0 else "cpu-flash"
     if device_type != "cuda":
         raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {device_type}")
-    flash = (
-        dtype in (torch.float16, torch.bfloat16)
-        and head_dim in FLASH_HEAD_DIMS
-        and capability is not None
-        and capability >= (8, 0)
-    )
-    if not flash:
+    if not flash_eligible(dtype, head_dim, capability):
         return "cuda-efficient"
     return "flash-attn" if flash_attn_package.flash_attn_interface() is not None else "cuda-flash"
 
@@ -105,13 +98,6 @@ def backend_for(q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` (see :func:`select_backend`)."""
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     return select_backend(q.device.type, q.dtype, q.shape[-1], dropout_p, capability)
-
-
-def needs_kv_expansion(backend: str) -> bool:
-    """Whether ``backend`` needs K/V expanded to the query heads (it does not take ``h_kv < h`` natively)."""
-    if backend == "cpu-flash":
-        return tuple(int(part) for part in torch.__version__.split(".")[:2]) < CPU_FLASH_GQA_SINCE
-    return backend == "cuda-efficient"
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -235,3 +221,17 @@ class LocalAttention:
 
     forward = staticmethod(attention_forward)
     backward = staticmethod(attention_backward)
+
+
+def device_target(device: torch.device) -> KernelTarget:
+    """The kernels a real model on ``device`` runs, for its fake profiles: its GPU as it is (this process's
+    flash-attn), or the CPU (no workspace modelled)."""
+    if device.type != "cuda":
+        return CPU
+    properties = torch.cuda.get_device_properties(device)
+    return KernelTarget(
+        "cuda",
+        (properties.major, properties.minor),
+        flash_attn_package.flash_attn_interface() is not None,
+        properties.multi_processor_count,
+    )
