@@ -1,9 +1,9 @@
 """The memo mode in ``hf-memo estimate``: the memory policy the runtime's solver picks, and FLOP-based step times.
 
 The solver (:func:`~hf_memo.planner.policy_solver.solve_policy`) needs a layer's stash bytes: ``S_in + S_attn``
-from the host bytes one more swapped layer adds in profiles of the smallest MEMO policy (every layer but the top
-two keeps its input ``X`` and attention output on the host, ``alpha = 0``; closed form over depths 4 and 5, see
-:mod:`~hf_memo.integrations.fitted`), ``S_other`` from one profile at ``alpha = 1``. The memory of the policy it
+from the shapes (the layer input, the attention output and its statistics), ``S_other`` from the host bytes of
+the smallest MEMO policy (every layer but the top two keeps ``X`` and the attention output on the host) profiled
+at ``alpha = 0`` and at ``alpha = 1``. Its answer is only a candidate: the memory of the policy it
 picks is never arithmetic on another policy's peak: it is read off profiles of that policy
 (:mod:`~hf_memo.integrations.policy_footprint`), the runtime told to run exactly it, working sets included.
 
@@ -23,7 +23,7 @@ from functools import partial
 
 from torch import nn
 
-from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan, trace_at
+from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, trace_at
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
@@ -169,9 +169,8 @@ def _run_here(jobs: Sequence[Callable[[], AllocationTrace]]) -> list[AllocationT
 class MemoModel:
     """Profiles the memo executor and solves its memory policy at any length and budget.
 
-    Two kinds of profiles serve two purposes. The solver's per-layer bytes (``S_in + S_attn`` and ``S_other``)
-    come from the smallest MEMO policy (``alpha = 0``, fitted as a
-    :class:`~hf_memo.integrations.fitted.FittedFootprint`) and one profile at ``alpha = 1``. The memory of a policy
+    Two kinds of profiles serve two purposes. The solver's per-layer bytes: ``S_in + S_attn`` from the shapes,
+    ``S_other`` from profiles of the smallest MEMO policy at ``alpha = 0`` and ``alpha = 1``. The memory of a policy
     is that policy's own profile: :class:`~hf_memo.integrations.policy_footprint.PolicyFootprint` fits every policy
     made of the same blocks of layers at once; the smallest policies' are profiled with the rest, others' when a
     policy of theirs is first chosen (``run_jobs`` runs them). An answer is the solver's policy whose own profile
@@ -210,10 +209,12 @@ class MemoModel:
             raise ValueError("MemoModel needs policy_profiler_for: policies are sized from their own profiles")
         if traces is None:
             traces = run_jobs(self.jobs(profiler_for, policy_profiler_for, max_seq_len))
-        cost_traces, smallest_traces = self._split(traces, profiler_for, max_seq_len)
-        *alpha_zero, alpha_one = cost_traces
-        self.fitted = FittedFootprint(lambda chunks: profiler_for(0.0, chunks), "memo", max_seq_len, alpha_zero)
-        self.layers = self.fitted.layers
+        plan = ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len)
+        if len(traces) != 2 + len(fit_points(SMALLEST_KINDS, max_seq_len)):
+            raise ValueError(f"MemoModel.jobs gives 2 + the smallest policies' profiles, got {len(traces)} traces")
+        alpha_zero, alpha_one, *smallest_traces = traces
+        base = profiler_for(0.0, BASE_CHUNKS)
+        self.config, self.layers = base.config, base.layers
         if self.layers < 3:
             raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
         self.batch_size = self._batch_size = batch_size
@@ -222,18 +223,15 @@ class MemoModel:
         self._adjust = adjust
         self._max_seq_len = max_seq_len
         self._policy_profiler_for, self.run_jobs = policy_profiler_for, run_jobs
-        depth, seq_len = self.fitted.depths[0], self.fitted.seq_lens[-1]
-        everything = peak(alpha_one, "host").total
-        fixed = peak(self.fitted.trace(depth, seq_len, BASE_CHUNKS), "host").total
-        self._other_per_token = (everything - fixed) / ((depth - 2) * batch_size * seq_len)
+        depth, seq_len = plan.depths[0], plan.seq_lens[-1]
+        swapped = (depth - 2) * batch_size * seq_len  # tokens of the layers the two profiles offload
+        self._other_per_token = (peak(alpha_one, "host").total - peak(alpha_zero, "host").total) / swapped
         self._footprints = {
-            SMALLEST_KINDS: PolicyFootprint(
-                SMALLEST_KINDS, self.fitted.config, batch_size, smallest_traces, max_seq_len
-            )
+            SMALLEST_KINDS: PolicyFootprint(SMALLEST_KINDS, self.config, batch_size, smallest_traces, max_seq_len)
         }
         self.method = (
             f"every policy from fresh fake-tensor profiles of that policy (blocks of 3 and 4 layers, "
-            f"{self.fitted.seq_lens[0]:,} and {self.fitted.seq_lens[1]:,} tokens, closed form in the block sizes, "
+            f"{plan.seq_lens[0]:,} and {plan.seq_lens[1]:,} tokens, closed form in the block sizes, "
             "tokens and chunk rows)"
         )
         self.model = profiler_for(1.0, BASE_CHUNKS).model(depth)
@@ -246,38 +244,29 @@ class MemoModel:
         policy_profiler_for: Callable[[MemoryPolicy, Chunks], StepProfiler],
         max_seq_len: int = 1 << 24,
     ) -> list[Callable[[], AllocationTrace]]:
-        """The profiles the model is fitted to, as jobs: the closed form's at alpha 0, one at alpha 1 (at the
-        shallower depth and the longer length), then the smallest policies'."""
-
-        def at_alpha(fraction: float) -> Callable[[Chunks], StepProfiler]:
-            return partial(profiler_for, fraction)
-
+        """The profiles the model is made of, as jobs: the smallest MEMO policy at alpha 0 and at alpha 1 (at the
+        shallower profile depth and the longer length: the bytes per token of what alpha keeps), then the smallest
+        policies' fit."""
         plan = ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len)
-        largest = (plan.depths[0], plan.seq_lens[-1], BASE_CHUNKS)
-        costs = plan.jobs(at_alpha(0.0)) + [partial(trace_at, at_alpha(1.0), largest)]
+        point = (plan.depths[0], plan.seq_lens[-1], BASE_CHUNKS)
+        costs = [partial(trace_at, partial(profiler_for, fraction), point) for fraction in (0.0, 1.0)]
         return costs + fit_jobs(policy_profiler_for, SMALLEST_KINDS, max_seq_len)
 
-    @staticmethod
-    def _split(
-        traces: Sequence[AllocationTrace], profiler_for: Callable[[float, Chunks], StepProfiler], max_seq_len: int
-    ) -> tuple[list[AllocationTrace], list[AllocationTrace]]:
-        costs = len(ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len).points) + 1
-        if len(traces) != costs + len(fit_points(SMALLEST_KINDS, max_seq_len)):
-            raise ValueError(f"MemoModel.jobs gives {costs} + the smallest policies' profiles, got {len(traces)}")
-        return list(traces[:costs]), list(traces[costs:])
-
     def fixed_bytes(self, seq_len: int) -> float:
-        """``S_in + S_attn``: host bytes one more swapped layer adds at ``seq_len`` (smallest MEMO policy)."""
-        if len(self.fitted.depths) > 1:
-            more = self.fitted.footprint(seq_len, self.layers + 1).host.total
-            return float(more - self.fitted.footprint(seq_len).host.total)
-        return self.fitted.footprint(seq_len).host.total / (self.layers - 2)
+        """``S_in + S_attn`` of a step of ``seq_len`` positions: the layer input ``(B, S, H)``, the attention output
+        ``(B, S, h * D)`` and its fp32 statistics ``(B, h, S)`` (the solver's cost model; memory is profiled)."""
+        text = self.config.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()
+        per_token = text.hidden_size * element + heads * head_dim * element + heads * 4
+        return float(self._batch_size * seq_len * per_token)
 
     def footprint_of(self, shape: PolicyShape) -> PolicyFootprint:
         """The closed form of the policies made of ``shape``'s blocks (profiled the first time it is asked for)."""
         if shape.kinds not in self._footprints:
             traces = self.run_jobs(fit_jobs(self._policy_profiler_for, shape.kinds, self._max_seq_len))
-            config = self.fitted.config
+            config = self.config
             self._footprints[shape.kinds] = PolicyFootprint(
                 shape.kinds, config, self._batch_size, traces, self._max_seq_len
             )
@@ -305,7 +294,7 @@ class MemoModel:
         if seq_len in self._profiles:
             return self._profiles[seq_len]
         fixed = self.fixed_bytes(seq_len)
-        text = self.fitted.config.get_text_config()
+        text = self.config.get_text_config()
         element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
         input_bytes = float(self._batch_size * seq_len * text.hidden_size * element)
         k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence
