@@ -1,14 +1,34 @@
-"""What the benchmark scripts share: the ``--out`` option, their results folder, the tiny Llama of smoke runs."""
+"""What the benchmark scripts share: the ``--out`` option, their results folder, the tiny Llama of smoke runs, and
+scripts run in a fresh Python process."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from transformers import LlamaConfig
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fresh_process_json(script: str, *args: str) -> dict:
+    """Run ``script`` (Python source) with ``args`` in a new Python process at the repository root; the JSON object
+    its last line of output prints."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def add_out_option(parser: argparse.ArgumentParser, device: str = "cpu") -> None:

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -29,9 +25,8 @@ from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 
-from common import add_out_option, results_folder
+from common import add_out_option, fresh_process_json, results_folder
 
-ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = {
     "80GiB full, 128 GiB host": ({"gpu_memory": "80GiB", "host_memory": "128GiB", "trainable": "full"}, Cluster()),
     "139GiB LoRA, 128 GiB host": ({"gpu_memory": "139GiB", "host_memory": "128GiB", "trainable": "lora"}, Cluster()),
@@ -60,15 +55,7 @@ print(json.dumps({"device": f.device.total, "host": f.host.total}))
 
 
 def direct(mode: str, trainable: str, seq_len: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", DIRECT, mode, trainable, str(seq_len)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return fresh_process_json(DIRECT, mode, trainable, str(seq_len))
 
 
 def closed_form(mode: str, trainable: str) -> FittedFootprint:

@@ -13,27 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from hf_memo.integrations.estimate import estimate
 from hf_memo.runtime.buckets import bucket_length
 
-from common import add_out_option, results_folder
+from common import add_out_option, fresh_process_json, results_folder
 
-ROOT = Path(__file__).resolve().parent.parent
 GiB = 2**30
 QUESTIONS = {
     "80GiB full, 128 GiB host": {"gpu_memory": "80GiB", "host_memory": "128GiB", "trainable": "full"},
-    "80GiB full, 1 TiB host": {"gpu_memory": "80GiB", "host_memory": "1TiB", "trainable": "full"},
     "139GiB LoRA, 128 GiB host": {"gpu_memory": "139GiB", "host_memory": "128GiB", "trainable": "lora"},
 }
 DIRECT = """
 import json, sys, torch
-from hf_memo.integrations.policy_footprint import PolicyShape
 from hf_memo.integrations.setups import memo_with_policy, with_lora
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.analysis import peak
@@ -66,15 +59,7 @@ def layers_of(summary: str) -> list[dict]:
 
 
 def direct(trainable: str, seq_len: int, layers: list[dict]) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", DIRECT, trainable, str(seq_len), json.dumps(layers)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return fresh_process_json(DIRECT, trainable, str(seq_len), json.dumps(layers))
 
 
 def main() -> None:
