@@ -18,7 +18,7 @@ import torch
 
 from hf_memo.integrations.fitted import FittedFootprint
 from hf_memo.integrations.memo_estimate import DEFAULT_GPU, Budget, MemoModel, gpu_of
-from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
+from hf_memo.integrations.setups import MODES, memo_with_offload, memo_with_policy, with_lora
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 
@@ -69,6 +69,7 @@ def main() -> None:
         lambda fraction, chunks: _profiler(config, memo_with_offload(fraction, chunks), "memo"),
         1,
         gpu_of(DEFAULT_GPU),
+        policy_profiler_for=lambda policy, chunks: _profiler(config, memo_with_policy(policy, chunks), "memo"),
     )
     choice = memo.choose(seq_len, Budget(gpu_bytes, host_bytes))
     profile = memo.profile(seq_len)

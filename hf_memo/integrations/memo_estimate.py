@@ -252,16 +252,6 @@ class MemoModel:
         costs = [partial(trace_at, partial(profiler_for, fraction), point) for fraction in (0.0, 1.0)]
         return costs + fit_jobs(policy_profiler_for, SMALLEST_KINDS, max_seq_len)
 
-    def fixed_bytes(self, seq_len: int) -> float:
-        """``S_in + S_attn`` of a step of ``seq_len`` positions: the layer input ``(B, S, H)``, the attention output
-        ``(B, S, h * D)`` and its fp32 statistics ``(B, h, S)`` (the solver's cost model; memory is profiled)."""
-        text = self.config.get_text_config()
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()
-        per_token = text.hidden_size * element + heads * head_dim * element + heads * 4
-        return float(self._batch_size * seq_len * per_token)
-
     def footprint_of(self, shape: PolicyShape) -> PolicyFootprint:
         """The closed form of the policies made of ``shape``'s blocks (profiled the first time it is asked for)."""
         if shape.kinds not in self._footprints:
@@ -293,17 +283,21 @@ class MemoModel:
         seq_len = bucket_length(seq_len)
         if seq_len in self._profiles:
             return self._profiles[seq_len]
-        fixed = self.fixed_bytes(seq_len)
+        # S_in and S_attn from the shapes: the layer input (B, S, H), the attention output (B, S, h * D) and its fp32
+        # statistics (B, h, S); the solver's cost model only (memory is profiled)
         text = self.config.get_text_config()
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
-        input_bytes = float(self._batch_size * seq_len * text.hidden_size * element)
+        tokens = self._batch_size * seq_len
+        input_bytes = float(tokens * text.hidden_size * element)
         k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence
         whole = self.flops.seconds(self._batch_size, seq_len * k, self.gpu.peak_flops)
         forward, backward, attention = (t / k for t in whole)
         costs = LayerCosts(
             input_bytes=input_bytes,
-            attention_bytes=fixed - input_bytes,
-            other_bytes=self._other_per_token * self._batch_size * seq_len,
+            attention_bytes=float(tokens * heads * (head_dim * element + 4)),
+            other_bytes=self._other_per_token * tokens,
             forward_seconds=forward,
             backward_seconds=backward,
             attention_seconds=attention,
