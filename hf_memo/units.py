@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 _BYTE_UNITS = {
-    "": 1,
     "b": 1,
     "k": 1024,
     "kb": 1000,
@@ -25,10 +24,12 @@ _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str | int) -> int:
-    """Byte count from an int or a string such as ``"80GiB"``, ``"80GB"``, ``"512MiB"``, ``"1TiB"``.
+    """Byte count from an int (bytes) or a string with a unit such as ``"80GiB"``, ``"80GB"``, ``"512MiB"``,
+    ``"1TiB"`` or ``"512B"``.
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary units (KiB, MiB, GiB, TiB) and bare
-    letters (K, M, G, T) powers of 1024. Raises ``ValueError`` for anything else.
+    letters (K, M, G, T) powers of 1024. A string without a unit (``"80"``: 80 bytes or 80 GiB?) is an
+    error that shows how to write it, except ``"0"``. Raises ``ValueError`` for anything else.
     """
     if isinstance(text, bool):
         raise ValueError(f"expected a size such as '80GiB', got {text!r}")
@@ -37,10 +38,14 @@ def parse_bytes(text: str | int) -> int:
             raise ValueError(f"a size cannot be negative, got {text}")
         return text
     match = _NUMBER_WITH_UNIT.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
+    if match is None:
         raise ValueError(f"expected a size such as '80GiB' or '80GB', got {text!r}")
-    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit and float(number) != 0:
+        raise ValueError(f"{number} has no unit: write {number}GiB (binary) or {number}GB (decimal)")
+    if unit and unit not in _BYTE_UNITS:
+        raise ValueError(f"expected a size such as '80GiB' or '80GB', got {text!r}")
+    return int(float(number) * _BYTE_UNITS.get(unit, 1))
 
 
 def parse_tokens(text: str | int) -> int:

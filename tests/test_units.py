@@ -11,7 +11,8 @@ from hf_memo.units import format_bytes, format_tokens, parse_bytes, parse_tokens
         ("512MiB", 512 * 2**20),
         ("1TiB", 2**40),
         ("1.5G", 3 * 2**29),
-        ("100", 100),
+        ("512B", 512),
+        ("0", 0),
         (4096, 4096),
         (" 2 kb ", 2000),
     ],
@@ -24,6 +25,14 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["80", "64", " 1.5 "])
+def test_parse_bytes_refuses_a_number_without_a_unit_and_shows_how_to_write_it(text):
+    number = text.strip()
+    with pytest.raises(ValueError) as error:
+        parse_bytes(text)
+    assert str(error.value) == f"{number} has no unit: write {number}GiB (binary) or {number}GB (decimal)"
 
 
 @pytest.mark.parametrize("text,expected", [("128k", 131072), ("1M", 1048576), ("4096", 4096), (7, 7), ("1.5k", 1536)])

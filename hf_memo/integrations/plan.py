@@ -163,8 +163,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", default="10", help="seconds per DSA problem (default 10)")
     parser.add_argument(
         "--alignment",
-        default="512",
-        help="bytes every size is rounded up to (default 512); coarser (e.g. 1MiB) is easier to prove optimal",
+        default="512B",
+        help="bytes every size is rounded up to (default 512B); coarser (e.g. 1MiB) is easier to prove optimal",
     )
     parser.add_argument("--trace", default=None, help="plan this trace file (JSON lines) instead of profiling")
     parser.add_argument("--out", default=None, help="write the plan here as JSON")
