@@ -60,3 +60,31 @@ def test_bad_config_files_are_refused_with_the_reason(tmp_path, content, message
 def test_a_folder_without_config_json_is_refused(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         load_config(str(tmp_path))
+
+
+@pytest.fixture
+def offline_hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache in ``tmp_path``, offline (``HF_HUB_OFFLINE=1``, as huggingface_hub reads it)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return tmp_path
+
+
+def test_a_hub_id_loads_from_the_local_cache_through_transformers(offline_hub_cache):
+    snapshot = offline_hub_cache / "models--some-org--tiny-llama" / "snapshots" / "0123abcd"
+    LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4).save_pretrained(snapshot)
+    (offline_hub_cache / "models--some-org--tiny-llama" / "refs").mkdir()
+    (offline_hub_cache / "models--some-org--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    config = load_config("some-org/tiny-llama")
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 3, 64)
+
+
+def test_a_hub_id_not_in_the_cache_says_what_to_do(offline_hub_cache):
+    with pytest.raises(ValueError) as error:
+        load_config("meta-llama/Meta-Llama-3-8B")
+    message = str(error.value)
+    assert message.startswith("meta-llama/Meta-Llama-3-8B is not a file here, nor a model in the local Hugging Face")
+    assert str(offline_hub_cache) in message and "HF_HUB_OFFLINE is set, so the Hub was not asked" in message
+    assert "hf download meta-llama/Meta-Llama-3-8B config.json" in message and "\n" not in message

@@ -1,4 +1,5 @@
-"""Built-in model shapes (Transformers configs, no weights) and loading a model's ``config.json``.
+"""Built-in model shapes (Transformers configs, no weights) and loading a model's ``config.json`` (a file, a folder or
+a Hugging Face Hub model id).
 
 ``gpt-7b`` ... ``gpt-65b`` are the decoder shapes the MEMO paper evaluates (7B/13B/30B/65B GPT models),
 written as Llama-architecture configs with the LLaMA-1 sizes of those parameter counts (layers,
@@ -9,8 +10,10 @@ hidden size, heads, MLP width, 32000-token vocabulary). ``llama-2-7b``, ``llama-
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import huggingface_hub
 from transformers import CONFIG_MAPPING, AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
@@ -59,7 +62,10 @@ def builtin_config(name: str) -> PretrainedConfig:
     factory = _SHAPES.get(name.lower())
     if factory is None:
         known = ", ".join(SHAPE_NAMES)
-        raise ValueError(f"unknown model {name!r}; built-in models are {known} (or give a path to a config.json)")
+        raise ValueError(
+            f"unknown model {name!r}; built-in models are {known} (or give a path to a config.json, or a Hugging "
+            "Face Hub id such as meta-llama/Meta-Llama-3-8B)"
+        )
     return factory()
 
 
@@ -72,13 +78,25 @@ def check_decoder_lm(config: PretrainedConfig, source: str) -> PretrainedConfig:
     return config
 
 
+# A Hub model id, "owner/name" (a path to a file that does not exist ends in .json and is not one).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def load_config(name_or_path: str) -> PretrainedConfig:
-    """A built-in shape by name, or the config in a ``config.json`` file (or a folder holding one)."""
+    """A built-in shape by name, the config in a ``config.json`` file (or a folder holding one), or a Hugging Face
+    Hub model's config by its id (``"meta-llama/Meta-Llama-3-8B"``, see :func:`hub_config`)."""
     path = Path(name_or_path)
-    if not path.exists():
-        if path.suffix == ".json" or "/" in name_or_path:
-            raise ValueError(f"no such config file: {name_or_path}")
-        return builtin_config(name_or_path)
+    if path.exists():
+        return _file_config(path)
+    if _HUB_ID.match(name_or_path) and path.suffix != ".json":
+        return hub_config(name_or_path)
+    if path.suffix == ".json" or "/" in name_or_path:
+        raise ValueError(f"no such config file: {name_or_path}")
+    return builtin_config(name_or_path)
+
+
+def _file_config(path: Path) -> PretrainedConfig:
+    """The config in the ``config.json`` file ``path`` (or the folder ``path`` holding one)."""
     file = path / "config.json" if path.is_dir() else path
     try:
         record = json.loads(file.read_text())
@@ -93,3 +111,45 @@ def load_config(name_or_path: str) -> PretrainedConfig:
     except (TypeError, ValueError) as error:
         raise ValueError(f"{file} is not a valid {record['model_type']} config ({error})") from None
     return check_decoder_lm(config, str(file))
+
+
+def hub_config(repo_id: str) -> PretrainedConfig:
+    """The config of the Hub model ``repo_id``, loaded by Transformers from the local Hugging Face cache
+    (``HF_HUB_CACHE``) or, when it is not there, from the Hub unless offline (``HF_HUB_OFFLINE=1``).
+
+    ``ValueError`` when neither has it, saying how to get it; or when Transformers cannot read it.
+    """
+    try:
+        config = _cached_or_downloaded(repo_id)
+    except OSError as error:
+        raise ValueError(_unavailable(repo_id, error)) from None
+    except ValueError as error:  # an unknown model_type, remote code, ...
+        raise ValueError(f"Transformers cannot read the config of {repo_id}: {_first_line(error)}") from None
+    return check_decoder_lm(config, repo_id)
+
+
+def _cached_or_downloaded(repo_id: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(repo_id, local_files_only=True)
+    except OSError:
+        if huggingface_hub.is_offline_mode():
+            raise
+    return AutoConfig.from_pretrained(repo_id)
+
+
+def _unavailable(repo_id: str, error: OSError) -> str:
+    """Why the config of ``repo_id`` could not be had, and what to do, in one line."""
+    cache = huggingface_hub.constants.HF_HUB_CACHE
+    where = f"{repo_id} is not a file here, nor a model in the local Hugging Face cache ({cache})"
+    if huggingface_hub.is_offline_mode():
+        why = "and HF_HUB_OFFLINE is set, so the Hub was not asked"
+    else:
+        why = f"and the Hub did not give its config ({_first_line(error)})"
+    return (
+        f"{where}, {why}: download it where the Hub can be reached (hf download {repo_id} config.json; a gated "
+        "model needs `hf auth login` and its terms accepted) or give the path of its config.json"
+    )
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
