@@ -253,7 +253,7 @@ def test_the_command_line_reserves_3_gib_of_each_gpu_and_host_memory_per_node_by
     assert first["host_reserve"] == HOST_RESERVE_NODE + 2 * HOST_RESERVE_PER_RANK
     assert first["pinned_memory"] == int(PINNABLE_FRACTION * (64 * GiB - first["host_reserve"]))
     peak_bytes = first["modes"]["minseq"]["footprint"]["device"]["total"]
-    gpu = f"{peak_bytes + DEVICE_RESERVE - 2**20}"  # room for the step, or for the reserve, not both
+    gpu = f"{peak_bytes + DEVICE_RESERVE - 2**20}B"  # room for the step, or for the reserve, not both
     assert not answer("--gpu-memory", gpu)["modes"]["minseq"]["fits"]
     assert answer("--gpu-memory", gpu, "--reserve", "0GiB")["modes"]["minseq"]["fits"]
 

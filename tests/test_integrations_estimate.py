@@ -198,3 +198,115 @@ def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes
         answers.append({mode: found.modes[mode].to_dict() for mode in sorted(modes)})
     assert answers[0] == answers[1]
     assert answers[0]["memo"]["longest_seq_len"] > answers[0]["vanilla"]["longest_seq_len"]
+
+
+# -- first contact: units, the host memory assumed, the search cap, Hub ids, what LoRA trains -----------------------
+
+RECIPE_LORA = ["--lora-rank", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"]
+RECIPE_LORA += ["--trainable-modules", "embed_tokens,norm"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--gpu-memory", "80"], "--gpu-memory: 80 has no unit: write 80GiB (binary) or 80GB (decimal)"),
+        (["--host-memory", "64"], "--host-memory: 64 has no unit: write 64GiB (binary) or 64GB (decimal)"),
+        (["--reserve", "3"], "--reserve: 3 has no unit: write 3GiB"),
+        (["--host-reserve", "8"], "--host-reserve: 8 has no unit: write 8GiB"),
+        (["--pinned-memory", "512"], "--pinned-memory: 512 has no unit: write 512GiB"),
+        (["--lora-rank", "8"], "--lora-rank: only with --trainable lora"),
+        (["--trainable", "lora", "--lora-rank", "0"], "--lora-rank must be an integer >= 1"),
+        (["--trainable", "lora", "--lora-targets", ","], "--lora-targets must name at least one module"),
+        (["--trainable", "lora", "--trainable-modules", "embed"], "trainable_modules embed: no module of Llama"),
+    ],
+)
+def test_cli_refuses_sizes_without_a_unit_and_lora_flags_out_of_place(capsys, argv, message):
+    flags = {"--model": "llama-3-8b", "--gpu-memory": "80GiB", "--host-memory": "1TiB", "--modes": "vanilla"}
+    flags.update(zip(argv[::2], argv[1::2]))
+    assert cli.main(["estimate", *(item for pair in flags.items() for item in pair)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_lora_settings_need_trainable_lora_in_python_too():
+    with pytest.raises(ValueError, match="lora_rank, lora_targets and trainable_modules apply to trainable='lora'"):
+        estimate("llama-3-8b", 1024, trainable="full", trainable_modules="embed_tokens", progress=False)
+
+
+def test_the_recipes_lora_trains_525m_more_parameters_of_llama_3_8b_than_pefts_default():
+    import torch
+
+    from hf_memo.integrations.cluster import Cluster
+    from hf_memo.integrations.estimate import lora_of, model_states
+    from hf_memo.profiler.shapes import load_config
+
+    config = load_config("llama-3-8b")
+    default = lora_of("lora", None, None, None, "llama")
+    recipe = lora_of("lora", 8, "q_proj,k_proj,v_proj,o_proj", ["embed_tokens", "norm"], "llama")
+    counts = [model_states(config, torch.bfloat16, "lora", "adamw", Cluster(), lora) for lora in (default, recipe)]
+    # k_proj (4096 -> 1024) and o_proj (4096 -> 4096) adapters at rank 8 in 32 layers; a trainable copy of the
+    # embeddings (128256 x 4096) and of the 65 RMSNorms (4096 each)
+    more = 32 * 8 * ((4096 + 1024) + (4096 + 4096)) + 128256 * 4096 + 65 * 4096
+    assert counts[1].trainable - counts[0].trainable == more == 529_010_688
+    assert counts[0].trainable == 32 * 8 * ((4096 + 4096) + (4096 + 1024))  # q_proj and v_proj, PEFT's default
+
+
+def test_cli_prints_the_host_memory_first_and_sizes_the_lora_it_is_told(capsys, config_path):
+    from tests.test_integrations_setups import real_trainable
+    from tests.test_profiler_step import CONFIGS
+
+    argv = ["estimate", "--model", config_path, "--seq-len", "1k", "--gpu-memory", "24MiB", "--modes", "vanilla"]
+    argv += ["--reserve", "0GiB", "--no-search", "--trainable", "lora", *RECIPE_LORA]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith("WARNING: host memory ") and "THIS machine's RAM (no --host-memory given)" in lines[0]
+    assert lines[1].startswith("WARNING: ") and "pass --host-memory with the training node's memory" in lines[1]
+    assert "warning" not in err  # the table says it, first
+    assert "LoRA r=16 on q_proj, k_proj, v_proj, o_proj; embed_tokens, norm trained in full" in lines[2]
+
+    assert cli.main(argv + ["--json"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)  # stdout stays JSON: the warning goes to stderr
+    assert record["host_memory_source"] == "this machine" and "warning: host memory" in err
+    settings = {"r": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    trained = real_trainable(CONFIGS["llama"](6), modules_to_save=["embed_tokens", "norm"], **settings)
+    assert record["trainable_parameters"] == trained
+    # the profiled step's AdamW: fp32 moments of the adapters (rank 16 on q, k, v, o of 6 layers), bf16 ones of the
+    # trainable copies (embeddings 500 x 64, 13 norms), a 4-byte step per parameter tensor
+    adapters, copies = 6 * 16 * (2 * (64 + 64) + 2 * (64 + 32)), 500 * 64 + 13 * 64
+    assert adapters + copies == trained
+    optimizer = record["modes"]["vanilla"]["footprint"]["device"]["by_category"]["optimizer"]
+    assert optimizer == 2 * 4 * adapters + 2 * 2 * copies + 4 * (6 * 4 * 2 + 1 + 13)
+
+    assert cli.main(argv + ["--host-memory", "64GiB"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "Host memory: 64.00 GiB per node, from --host-memory."
+
+
+def test_an_answer_at_the_search_cap_says_so_and_names_the_cap():
+    from tests.test_profiler_step import CONFIGS
+
+    found = estimate(CONFIGS["gpt2"](2), 512, gpu_memory="80GiB", modes=["vanilla"], progress=False)
+    vanilla = found.modes["vanilla"]
+    assert vanilla.longest_seq_len == 4096 and vanilla.longest_is_search_limit  # gpt2's learned positions
+    assert vanilla.bound_by == vanilla.to_dict()["binding"] == "search cap"
+    table = found.table()
+    assert table.splitlines()[0].startswith("Host memory: no limit")
+    bound = next(line for line in table.splitlines() if line.startswith("  bound by"))
+    assert bound.split() == ["bound", "by", "search", "cap"] and "device" not in bound
+    assert "≥ 4,096" in table
+    assert (
+        "search cap: the search for the longest sequence stops at 4,096 tokens (the model's learned positions)" in table
+    )
+
+
+def test_a_hub_id_neither_here_nor_in_the_cache_is_one_line_that_says_what_to_do(capsys, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    argv = ["estimate", "--model", "meta-llama/Meta-Llama-3-8B", "--gpu-memory", "80GiB", "--host-memory", "1TiB"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a file here, nor a model in the local Hugging Face cache" in err
+    assert "HF_HUB_OFFLINE is set" in err and "hf download meta-llama/Meta-Llama-3-8B config.json" in err

@@ -113,6 +113,7 @@ def _malformed(tmp_path):
         (["--model", "llama-3-8b", "--seq-len", "1k", "--time-limit", "soon"], "got 'soon'"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--alignment", "0"], "--alignment must be at least 1 byte"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--alignment", "big"], "--alignment: expected a size such as"),
+        (["--model", "llama-3-8b", "--seq-len", "1k", "--alignment", "512"], "--alignment: 512 has no unit: write"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--dtype", "int8"], "--dtype must be one of bf16, fp16, fp32"),
         (["--model", "llama-3-8b"], "give --model and --seq-len (or --trace with a saved trace)"),
         (["--trace", "step.jsonl", "--model", "llama-3-8b"], "give either --trace or --model with --seq-len"),

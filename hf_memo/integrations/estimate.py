@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,7 @@ from hf_memo.integrations.setups import (
     POSITION_LIMITS,
     TRAINABLE,
     Chunks,
+    Lora,
     choice,
     config_of,
     memo_with_offload,
@@ -84,6 +86,10 @@ from hf_memo.profiler.workers import run_side_by_side, usable_cpus
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
 
 SCAN = 0.02  # past the bisection's answer, lengths up to this fraction longer are checked too (chunk rows vary)
+SEARCH_LIMIT = 1 << 24  # the longest sequence searched for, in tokens, unless the model's learned positions stop sooner
+# Where Estimate.host_memory came from: an argument of estimate(), the command line's flag, or this machine's RAM
+# (the command line's default).
+HOST_FROM_ARGUMENT, HOST_FROM_FLAG, HOST_FROM_THIS_MACHINE = "the host_memory argument", "--host-memory", "this machine"
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,15 @@ class ModeEstimate:
     mfu: float | None = None  # an upper bound: model FLOPs / (step time bound x peak)
     binding: str | None = None  # what stops a longer sequence: "device", "host" or "pinned"
 
+    @property
+    def bound_by(self) -> str | None:
+        """What stops a longer sequence: ``"search cap"`` when the search stopped before anything else did, else
+        :attr:`binding`."""
+        return "search cap" if self.longest_is_search_limit else self.binding
+
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
+        record["binding"] = self.bound_by
         record["footprint"]["device"].pop("index")
         record["footprint"]["host"].pop("index")
         return record
@@ -130,6 +143,11 @@ class Estimate:
     states: RankStates | None = None  # one rank's DeepSpeed model states (None without ZeRO)
     host_per_rank: float | None = None  # host bytes one rank may use (its share, less the reserve)
     host_memory_limit: int | None = None  # MemoConfig.host_memory_limit every rank must set
+    host_memory_source: str = HOST_FROM_ARGUMENT  # where host_memory came from (HOST_FROM_*)
+    lora: Lora | None = None  # what LoRA trains (trainable "lora"), its default targets filled in
+    parameters: int = 0  # of the whole trained model (LoRA: base weights, adapters and trainable copies)
+    trainable_parameters: int = 0
+    search_limit: int = SEARCH_LIMIT  # the longest sequence searched for
     traces: dict[str, AllocationTrace] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,7 +182,7 @@ class Estimate:
         rows.append((f"fits {budget}", ["yes" if self.modes[n].fits else "no" for n in names]))
         if any(self.modes[n].longest_seq_len is not None for n in names):
             rows.append(("longest sequence", [_longest(self.modes[n]) for n in names]))
-            rows.append(("  bound by", [self.modes[n].binding or "-" for n in names]))
+            rows.append(("  bound by", [self.modes[n].bound_by or "-" for n in names]))
         rows.append(("step time ≥ (bound)", [_seconds(self.modes[n].step_seconds) for n in names]))
         rows.append(
             ("MFU ≤ (bound)", ["-" if self.modes[n].mfu is None else f"{self.modes[n].mfu:.0%}" for n in names])
@@ -177,9 +195,9 @@ class Estimate:
         if self.pinned_memory is not None:
             host += f", of which {format_bytes(self.pinned_memory)} may be pinned"
         lines = [
+            *self._host_source(),
             f"{self.model}: {self.layers} layers, {self.dtype}, batch {self.batch_size} x {self.seq_len:,} tokens, "
-            f"{'full fine-tuning' if self.trainable == 'full' else f'LoRA (r={LORA_RANK}, PEFT default targets)'}, "
-            f"optimizer {self._optimizer()}",
+            f"{self._training()}, optimizer {self._optimizer()}",
             f"{self.cluster.describe()}; GPU memory {format_bytes(self.gpu_memory)}{host}",
             *self._memory_lines(),
             *self._methods(),
@@ -189,6 +207,8 @@ class Estimate:
         lines += [label.ljust(label_width) + "".join(v.rjust(width) for v in values) for label, values in rows]
         lines.append("")
         lines += [f"{n}: {self.modes[n].description}" for n in names]
+        if any(self.modes[n].longest_is_search_limit for n in names):
+            lines.append(self._search_cap())
         gpu = GPUS[self.gpu]
         lines.append(
             f"Step time and MFU are bounds, not measurements: FLOPs at the {gpu.name}'s bf16 dense peak "
@@ -204,6 +224,31 @@ class Estimate:
             )
         lines += [f"memo policy: {self.modes[n].policy}" for n in names if self.modes[n].policy]
         return "\n".join(lines)
+
+    def _host_source(self) -> list[str]:
+        """The host memory assumed and where it came from; loud when it is this machine's RAM (the command line's
+        default), which need not be the training machine's."""
+        if self.host_memory is None:
+            return ["Host memory: no limit (host_memory=None): host bytes are shown, none is refused."]
+        amount = f"{format_bytes(self.host_memory)} per node"
+        if self.host_memory_source != HOST_FROM_THIS_MACHINE:
+            return [f"Host memory: {amount}, from {self.host_memory_source}."]
+        return [f"WARNING: {line}" for line in this_machine_warning(self.host_memory)]
+
+    def _training(self) -> str:
+        """Full fine-tuning or what LoRA trains, and how many parameters are trained."""
+        what = "full fine-tuning" if self.trainable == "full" else (self.lora or Lora()).describe()
+        if not self.parameters:
+            return what
+        return f"{what} ({_count(self.trainable_parameters)} of {_count(self.parameters)} parameters trained)"
+
+    def _search_cap(self) -> str:
+        """What "≥" and a "search cap" bound mean."""
+        why = "the estimator's limit" if self.search_limit >= SEARCH_LIMIT else "the model's learned positions"
+        return (
+            f"search cap: the search for the longest sequence stops at {self.search_limit:,} tokens ({why}); "
+            '"≥ N" reached it, so longer sequences may fit too.'
+        )
 
     def _optimizer(self) -> str:
         """The optimizer and the precision of its states."""
@@ -254,8 +299,26 @@ class Estimate:
         )
 
 
+def this_machine_warning(host_memory: int) -> list[str]:
+    """What to say when the host memory assumed is this machine's RAM (``host_memory`` bytes)."""
+    return [
+        f"host memory {format_bytes(host_memory)} per node is THIS machine's RAM (no --host-memory given), not "
+        "necessarily the training machine's.",
+        "memo's stashes and DeepSpeed's offloaded states live there: pass --host-memory with the training node's "
+        "memory, e.g. --host-memory 1TiB.",
+    ]
+
+
 def _seconds(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f} s"
+
+
+def _count(n: int) -> str:
+    """``8030261248 -> '8.03B'``, ``3407872 -> '3.41M'``."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return str(n)
 
 
 def _longest(result: ModeEstimate) -> str:
@@ -297,7 +360,9 @@ class _Job:
         budget: Budget,
         search_limit: int,
         bar: Any,
+        lora: Lora | None = None,
     ) -> None:
+        self.lora = lora
         self.config, self.name, self.dtype, self.batch_size = config, name, dtype, batch_size
         self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
@@ -311,6 +376,7 @@ class _Job:
             self.config.to_json_string(),
             mode,
             self.trainable,
+            self.lora,
             self.batch_size,
             self.dtype_name,
             self.optimizer,
@@ -323,7 +389,7 @@ class _Job:
 
         def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
             if self.trainable == "lora":
-                model = with_lora(model, session)
+                model = with_lora(model, session, self.lora)
             configure(model)
             return model
 
@@ -392,7 +458,9 @@ class _Job:
     def states(self) -> ModelStates:
         """The whole model's parameter counts (see :func:`model_states`)."""
         if self._states is None:
-            self._states = model_states(self.config, self.dtype, self.trainable, self.optimizer, self.cluster)
+            self._states = model_states(
+                self.config, self.dtype, self.trainable, self.optimizer, self.cluster, self.lora
+            )
         return self._states
 
     def adjust(self, model: nn.Module) -> Callable[[Peak, int], tuple[Peak, int]]:
@@ -547,6 +615,9 @@ def estimate(
     workers: int | None = None,
     reserve: int | str | None = None,
     host_reserve: int | str | None = None,
+    lora_rank: int | None = None,
+    lora_targets: str | Sequence[str] | None = None,
+    trainable_modules: str | Sequence[str] | None = None,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -558,7 +629,8 @@ def estimate(
         host_memory: host memory per node for offloaded tensors (DeepSpeed's optimizer states and memo's
             stashes), less ``host_reserve``, shared by its ranks; ``None`` puts no limit on it.
         batch_size: sequences per step (per data-parallel group).
-        trainable: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA, r=8, PEFT's default targets).
+        trainable: ``"full"`` fine-tuning or ``"lora"`` (PEFT LoRA as ``lora_rank``, ``lora_targets`` and
+            ``trainable_modules`` say).
         optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
         modes: names from :data:`MODES`.
         dtype: parameter dtype.
@@ -577,6 +649,11 @@ def estimate(
         reserve: bytes of each GPU the step may not use (CUDA context, NCCL, fragmentation); default none (the
             command line's is :data:`~hf_memo.integrations.cluster.DEVICE_RESERVE`).
         host_reserve: bytes of each node's host memory its ranks may not use (OS, processes); default none.
+        lora_rank: the rank of the LoRA adapters (default 8); only with ``trainable="lora"``.
+        lora_targets: the modules LoRA adapts, a sequence or a comma-separated string of names (default: PEFT's
+            default targets for the model type, e.g. ``q_proj, v_proj`` for Llama); only with ``trainable="lora"``.
+        trainable_modules: modules trained in full beside the adapters (PEFT's ``modules_to_save``), e.g.
+            ``"embed_tokens,norm"``; only with ``trainable="lora"``.
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -589,26 +666,30 @@ def estimate(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     choice("trainable", trainable, TRAINABLE)
+    lora = lora_of(trainable, lora_rank, lora_targets, trainable_modules, config.model_type)
     choice("optimizer", optimizer, OPTIMIZERS)
     if not modes:
         raise ValueError(f"modes must name at least one of {', '.join(MODES)}")
     for mode in modes:
         choice("mode", mode, list(MODES))
     limit_field = POSITION_LIMITS.get(config.model_type)
-    search_limit = getattr(config, limit_field) if limit_field else 1 << 24
+    search_limit = getattr(config, limit_field) if limit_field else SEARCH_LIMIT
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
     spec = gpu_of(gpu)
     reserve_bytes = 0 if reserve is None else parse_bytes(reserve)
     host_reserve_bytes = 0 if host_reserve is None else parse_bytes(host_reserve)
-    ranked = rank_states(model_states(config, dtype, trainable, optimizer, cluster), cluster) if cluster.zero else None
+    states = model_states(config, dtype, trainable, optimizer, cluster, lora)
+    ranked = rank_states(states, cluster) if cluster.zero else None
     budget = rank_budget(gpu_bytes, host_bytes, pinned_bytes, reserve_bytes, host_reserve_bytes, cluster, ranked)
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
     results: dict[str, ModeEstimate] = {}
     traces: dict[str, AllocationTrace] = {}
     try:
-        job = _Job(config, name, dtype, batch_size, optimizer, trainable, cluster, spec, budget, search_limit, bar)
+        job = _Job(
+            config, name, dtype, batch_size, optimizer, trainable, cluster, spec, budget, search_limit, bar, lora
+        )
         forms = closed_forms(job, modes, workers)
         for mode in modes:
             if mode == "memo":
@@ -640,15 +721,48 @@ def estimate(
         states=ranked,
         host_per_rank=budget.host,
         host_memory_limit=None if budget.host is None else int(budget.stash_room(ranked.host if ranked else 0)),
+        lora=lora,
+        parameters=states.parameters,
+        trainable_parameters=states.trainable,
+        search_limit=search_limit,
         traces=traces,
     )
 
 
-def model_states(config: Any, dtype: torch.dtype, trainable: str, optimizer: str, cluster: Cluster) -> ModelStates:
-    """The whole model's parameter counts, from a fake copy of the trained model (LoRA applied) with fewer layers."""
+def lora_of(
+    trainable: str,
+    rank: int | None,
+    targets: str | Sequence[str] | None,
+    modules: str | Sequence[str] | None,
+    model_type: str,
+) -> Lora | None:
+    """What LoRA trains (``None`` for full fine-tuning, where the LoRA settings must be left out), with PEFT's
+    default targets for ``model_type`` filled in when ``targets`` is ``None``."""
+    if trainable != "lora":
+        if rank is not None or targets is not None or modules is not None:
+            raise ValueError("lora_rank, lora_targets and trainable_modules apply to trainable='lora' only")
+        return None
+    lora = Lora(LORA_RANK if rank is None else rank, _names(targets), _names(modules) or ())
+    return lora.resolved(model_type)
+
+
+def _names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """Module names from a sequence or a comma-separated string (``None`` stays ``None``)."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = names.split(",")
+    return tuple(name.strip() for name in names if name.strip())
+
+
+def model_states(
+    config: Any, dtype: torch.dtype, trainable: str, optimizer: str, cluster: Cluster, lora: Lora | None = None
+) -> ModelStates:
+    """The whole model's parameter counts, from a fake copy of the trained model (LoRA applied as ``lora`` says, by
+    default PEFT's default targets at rank 8) with fewer layers."""
 
     def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
-        return with_lora(model, session) if trainable == "lora" else model
+        return with_lora(model, session, lora) if trainable == "lora" else model
 
     model = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
     layers = config.get_text_config().num_hidden_layers
@@ -690,7 +804,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
 
     parser.error = error  # type: ignore[method-assign]
     parser.add_argument(
-        "--model", required=True, help=f"built-in model ({', '.join(SHAPE_NAMES)}) or a path to a config.json"
+        "--model",
+        required=True,
+        help=f"built-in model ({', '.join(SHAPE_NAMES)}), a path to a config.json (or its folder), or a Hugging "
+        "Face Hub id such as meta-llama/Meta-Llama-3-8B (from the local cache; the Hub unless HF_HUB_OFFLINE=1)",
     )
     parser.add_argument(
         "--seq-len",
@@ -701,7 +818,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-memory",
         default=None,
-        help="host memory per node for offloaded tensors, e.g. 1TiB (default: this machine's, from psutil)",
+        help="host memory per node of the training machine for offloaded tensors, e.g. 1TiB (default: THIS "
+        "machine's RAM, with a warning)",
     )
     parser.add_argument(
         "--reserve",
@@ -726,6 +844,19 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
     parser.add_argument("--trainable", default="full", help="full (default) or lora")
+    parser.add_argument("--lora-rank", default=None, help=f"rank of the LoRA adapters (default {LORA_RANK})")
+    parser.add_argument(
+        "--lora-targets",
+        default=None,
+        help="modules LoRA adapts, comma-separated, e.g. q_proj,k_proj,v_proj,o_proj (default: PEFT's default "
+        "targets for the model type; q_proj,v_proj for Llama)",
+    )
+    parser.add_argument(
+        "--trainable-modules",
+        default=None,
+        help="modules trained in full beside the LoRA adapters (PEFT's modules_to_save), comma-separated, e.g. "
+        "embed_tokens,norm (default none)",
+    )
     parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
     parser.add_argument("--num-gpus", default="1", help="GPUs of the job (default 1)")
     parser.add_argument("--gpus-per-node", default="8", help="GPUs sharing one node's host memory (default 8)")
@@ -808,6 +939,28 @@ def memory_of(args: argparse.Namespace, cluster: Cluster) -> dict[str, int]:
     }
 
 
+def lora_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's LoRA settings (``estimate``'s keyword arguments); errors name the flags."""
+    given = [
+        flag
+        for flag, value in (
+            ("--lora-rank", args.lora_rank),
+            ("--lora-targets", args.lora_targets),
+            ("--trainable-modules", args.trainable_modules),
+        )
+        if value is not None
+    ]
+    if given and args.trainable != "lora":
+        raise ValueError(f"{', '.join(given)}: only with --trainable lora")
+    if args.lora_targets is not None and not args.lora_targets.strip(","):
+        raise ValueError("--lora-targets must name at least one module, e.g. q_proj,v_proj")
+    return {
+        "lora_rank": None if args.lora_rank is None else positive_int("--lora-rank", args.lora_rank),
+        "lora_targets": args.lora_targets,
+        "trainable_modules": args.trainable_modules,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in modes:
@@ -818,6 +971,7 @@ def run(args: argparse.Namespace) -> int:
         parse("--seq-len", parse_tokens, args.seq_len),
         batch_size=positive_int("--batch", args.batch),
         trainable=choice("--trainable", args.trainable, TRAINABLE),
+        **lora_flags(args),
         optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
         modes=modes,
         dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
@@ -828,6 +982,7 @@ def run(args: argparse.Namespace) -> int:
         workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
         **memory_of(args, cluster),
     )
+    result.host_memory_source = HOST_FROM_FLAG if args.host_memory is not None else HOST_FROM_THIS_MACHINE
     if args.trace_dir:
         folder = Path(args.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
@@ -839,6 +994,9 @@ def run(args: argparse.Namespace) -> int:
         plot_timelines(result.traces, args.plot, title, result.gpu_memory)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
+        if args.host_memory is None:  # stdout stays JSON (host_memory_source says it); the warning goes to stderr
+            for line in this_machine_warning(result.host_memory):
+                print(f"hf-memo estimate: warning: {line}", file=sys.stderr)
     else:
         print(result.table())
         if args.trace_dir:

@@ -152,7 +152,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         parser.exit(2, f"{parser.prog}: error: {message}\n")
 
     parser.error = error  # type: ignore[method-assign]
-    parser.add_argument("--model", help=f"built-in model ({', '.join(SHAPE_NAMES)}) or a path to a config.json")
+    parser.add_argument(
+        "--model",
+        help=f"built-in model ({', '.join(SHAPE_NAMES)}), a path to a config.json, or a Hugging Face Hub id such as "
+        "meta-llama/Meta-Llama-3-8B (from the local cache; the Hub unless HF_HUB_OFFLINE=1)",
+    )
     parser.add_argument("--seq-len", help="tokens per sequence, e.g. 32768, 128k or 1M")
     parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
     parser.add_argument("--mode", default=DEFAULT_MODE, help=f"one of {', '.join(MODES)} (default {DEFAULT_MODE})")

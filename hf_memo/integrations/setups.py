@@ -135,25 +135,82 @@ def config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str,
     else:
         raise ValueError(
             f"model_or_config must be a built-in model name ({', '.join(SHAPE_NAMES)}), a path to a config.json, "
-            f"a PretrainedConfig or a model, got {type(model_or_config).__name__}"
+            f"a Hugging Face Hub id, a PretrainedConfig or a model, got {type(model_or_config).__name__}"
         )
     name = getattr(config, "_name_or_path", "") or config.model_type
     return name, check_decoder_lm(config, name)
 
 
-def with_lora(model: nn.Module, session: FakeSession) -> nn.Module:
-    """``model`` wrapped by PEFT LoRA (rank 8 on PEFT's default target modules for its family)."""
+@dataclass(frozen=True)
+class Lora:
+    """What PEFT LoRA trains: rank-``rank`` adapters on the modules named ``targets`` (``None``: PEFT's default
+    targets for the model type) and the modules named ``modules`` trained in full beside them (PEFT's
+    ``modules_to_save``: a trainable copy of each; ``"norm"`` names every module whose name ends so)."""
+
+    rank: int = LORA_RANK
+    targets: tuple[str, ...] | None = None
+    modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"lora_rank must be an int >= 1, got {self.rank!r}")
+        for field, names in (("lora_targets", self.targets or ()), ("trainable_modules", self.modules)):
+            if any(not isinstance(name, str) or not name for name in names):
+                raise ValueError(f"{field} must be module names, got {names!r}")
+        if self.targets == ():
+            raise ValueError("lora_targets must name at least one module (or be None: PEFT's default targets)")
+
+    def resolved(self, model_type: str) -> Lora:
+        """This setup with PEFT's default targets for ``model_type`` filled in (unchanged if PEFT has none)."""
+        if self.targets is not None:
+            return self
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        targets = defaults.get(model_type)
+        return self if targets is None else Lora(self.rank, tuple(targets), self.modules)
+
+    def describe(self) -> str:
+        """``"LoRA r=8 on q_proj, v_proj; embed_tokens, norm trained in full"``."""
+        targets = "PEFT's default targets" if self.targets is None else ", ".join(self.targets)
+        full = f"; {', '.join(self.modules)} trained in full" if self.modules else ""
+        return f"LoRA r={self.rank} on {targets}{full}"
+
+
+def with_lora(model: nn.Module, session: FakeSession, lora: Lora | None = None) -> nn.Module:
+    """``model`` wrapped by PEFT LoRA as ``lora`` says (default: rank 8 on PEFT's default targets for its family)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ValueError("trainable='lora' needs the peft package (pip install peft)") from None
+    lora = lora or Lora()
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=2 * lora.rank,
+        target_modules=None if lora.targets is None else list(lora.targets),
+        modules_to_save=list(lora.modules) or None,
+        task_type="CAUSAL_LM",
+    )
     with session.converting_modules(), warnings.catch_warnings():
         # PEFT reads a property this Transformers deprecates: nothing the user of the estimate can act on.
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        # Copying a fake module for modules_to_save reads its fake data pointer: harmless here.
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         try:
-            return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, task_type="CAUSAL_LM"))
+            peft_model = get_peft_model(model, config)
         except ValueError as error:
             raise ValueError(f"PEFT cannot add LoRA to {type(model).__name__}: {error}") from None
+    _check_modules_found(peft_model, lora.modules, type(model).__name__)
+    return peft_model
+
+
+def _check_modules_found(model: nn.Module, modules: Sequence[str], model_name: str) -> None:
+    """``ValueError`` for a name of ``modules`` that made no trainable copy (PEFT ignores such names silently)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    copied = [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    missing = [key for key in modules if not any(name.endswith(key) for name in copied)]
+    if missing:
+        raise ValueError(f"trainable_modules {', '.join(missing)}: no module of {model_name} has such a name")
 
 
 def choice(name: str, value: Any, accepted: Sequence[str]) -> Any:
