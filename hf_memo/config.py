@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +12,21 @@ from hf_memo.units import parse_bytes
 
 RECOMPUTE_MODES = ("none", "full", "selective", "memo")
 PLANNERS = ("off", "greedy", "cpsat", "mip", "gurobi")
+MIN_INT_SIZE = 2**20  # an int size below this (other than 0) is a size written without its unit ("64" for 64 GiB)
+# Settings only recompute="memo" reads (the planner places the memo executor's own buffers).
+_MEMO_ONLY = (
+    "host_memory_limit",
+    "device_memory_limit",
+    "layer_time",
+    "host_bandwidth",
+    "planner",
+    "planner_time_limit",
+)
+_BARE_NUMBER = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*$")
+
+
+class MemoConfigWarning(UserWarning):
+    """A :class:`MemoConfig` setting does nothing with the other settings (e.g. a planner without memo)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -22,6 +39,29 @@ def _is_number(value: Any) -> bool:
 
 def _bad(field: str, accepted: str, value: Any) -> ValueError:
     return ValueError(f"MemoConfig.{field} must be {accepted}, got {value!r}")
+
+
+def _check_size(field: str, value: Any, example: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is ``"auto"``, a string with a unit, 0 or an int of at least 1 MiB."""
+    if value == "auto":
+        return
+    if _is_int(value) and 0 < value < MIN_INT_SIZE:
+        raise ValueError(
+            f'MemoConfig.{field}={value} is {value} bytes; write "{value}GiB" (ints are byte counts, e.g. '
+            f"{value} * 2**30; below 1 MiB they are refused as sizes missing their unit)"
+        )
+    if isinstance(value, str) and _BARE_NUMBER.match(value) and float(value) != 0:
+        number = value.strip()
+        raise ValueError(
+            f'MemoConfig.{field}="{number}" has no unit: write "{number}GiB" (binary) or "{number}GB" (decimal)'
+        )
+    accepted = f'"auto", a byte count >= 0 or a size such as "{example}"'
+    if not (_is_int(value) or isinstance(value, str)):
+        raise _bad(field, accepted, value)
+    try:
+        parse_bytes(value)
+    except ValueError:
+        raise _bad(field, accepted, value) from None
 
 
 @dataclass(frozen=True)
@@ -45,11 +85,13 @@ class MemoConfig:
         offload_fraction: fraction of tokens whose activations ``"memo"`` offloads to host memory
             (the rest is recomputed): a float in [0, 1] or ``"auto"`` (solved from layer time,
             host bandwidth and host memory).
-        host_memory_limit: host bytes offloading may use: an int, a size string such as
-            ``"64GiB"``, or ``"auto"`` (a safe fraction of the available RAM).
-        device_memory_limit: device bytes a training step may use, for ``"memo"``'s memory policy: an
-            int, a size string such as ``"70GiB"``, or ``"auto"`` (on CUDA, what ``torch.cuda.mem_get_info``
-            reports free plus what PyTorch's allocator holds, at the first step of a shape; no limit on CPU).
+        host_memory_limit: host bytes offloading may use: a size string with its unit such as ``"64GiB"``
+            or ``"64GB"``, an int byte count (0, or at least 1 MiB: ``64 * 2**30``; a smaller int is refused as a
+            size missing its unit), or ``"auto"`` (a safe fraction of the available RAM).
+        device_memory_limit: device bytes a training step may use, for ``"memo"``'s memory policy: a size such
+            as ``"70GiB"`` or an int byte count (as for ``host_memory_limit``), or ``"auto"`` (on CUDA, what
+            ``torch.cuda.mem_get_info`` reports free plus what PyTorch's allocator holds, at the first step of a
+            shape; no limit on CPU).
         layer_time: seconds one decoder layer's forward takes; ``None`` measures it.
         host_bandwidth: device<->host copy bandwidth in bytes/s; ``None`` measures it.
         planner: offline memory planner for buffers hf_memo owns: ``"off"``, ``"greedy"``,
@@ -58,6 +100,15 @@ class MemoConfig:
         sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables. It must
             divide the world size and the model's query heads, and divide or be a multiple of its KV
             heads (checked when applied to a model and when training starts).
+
+    Settings are checked together too. A setting that asks for what the others rule out is an error: an
+    ``offload_fraction`` other than ``"auto"`` without ``recompute="memo"`` (nothing is offloaded). A setting
+    that changes nothing beside the others gets a :class:`MemoConfigWarning` naming it and why, only when it
+    differs from its default: ``host_memory_limit``, ``device_memory_limit``, ``layer_time``,
+    ``host_bandwidth``, ``planner`` and ``planner_time_limit`` without ``recompute="memo"`` (the planner places
+    the memo executor's buffers only); ``layer_time`` and ``host_bandwidth`` with a fixed ``offload_fraction``;
+    ``planner_time_limit`` with ``planner="off"``; ``min_chunk_tokens`` and ``max_chunk_elements`` when neither
+    chunk count is ``"auto"``.
     """
 
     mlp_chunks: int | str = "auto"
@@ -88,12 +139,7 @@ class MemoConfig:
         if fraction != "auto" and not (_is_number(fraction) and 0.0 <= fraction <= 1.0):
             raise _bad("offload_fraction", '"auto" or a float in [0, 1]', fraction)
         for name, example in (("host_memory_limit", "64GiB"), ("device_memory_limit", "70GiB")):
-            value = getattr(self, name)
-            if value != "auto":
-                try:
-                    parse_bytes(value)
-                except ValueError:
-                    raise _bad(name, f'"auto", a byte count >= 0 or a size such as "{example}"', value) from None
+            _check_size(name, getattr(self, name), example)
         for name in ("layer_time", "host_bandwidth"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value > 0):
@@ -104,6 +150,42 @@ class MemoConfig:
             raise _bad("planner_time_limit", "a number of seconds > 0", self.planner_time_limit)
         if not (_is_int(self.sequence_parallel_size) and self.sequence_parallel_size >= 1):
             raise _bad("sequence_parallel_size", "an int >= 1", self.sequence_parallel_size)
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        """Refuse settings that contradict each other; warn about settings that do nothing (see the class docs)."""
+        memo = self.recompute == "memo"
+        if not memo and self.offload_fraction != "auto":
+            raise ValueError(
+                f"MemoConfig.offload_fraction={self.offload_fraction!r} offloads tokens under recompute='memo' only; "
+                f"recompute={self.recompute!r} offloads nothing. Set recompute='memo', or leave offload_fraction "
+                "at 'auto'"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        inert = []
+        if not memo:
+            reason = f"recompute={self.recompute!r} (only recompute='memo' uses it)"
+            inert += [(name, reason) for name in _MEMO_ONLY]
+        else:
+            if self.offload_fraction != "auto":
+                reason = f"offload_fraction={self.offload_fraction!r} (only offload_fraction='auto' uses it)"
+                inert += [(name, reason) for name in ("layer_time", "host_bandwidth")]
+            if self.planner == "off":
+                inert.append(("planner_time_limit", "planner='off'"))
+        if "auto" not in (self.mlp_chunks, self.lm_head_chunks):
+            reason = "fixed mlp_chunks and lm_head_chunks (only 'auto' chunk counts use it)"
+            inert += [(name, reason) for name in ("min_chunk_tokens", "max_chunk_elements")]
+        settings = [
+            f"MemoConfig.{name}={getattr(self, name)!r} does nothing with {reason}"
+            for name, reason in inert
+            if getattr(self, name) != defaults[name]
+        ]
+        if settings:
+            warnings.warn(
+                "; ".join(settings),
+                MemoConfigWarning,
+                stacklevel=4,
+            )
 
     @property
     def host_memory_limit_bytes(self) -> int | None:

@@ -1,6 +1,8 @@
+import warnings
+
 import pytest
 
-from hf_memo.config import MemoConfig
+from hf_memo.config import MemoConfig, MemoConfigWarning
 
 
 def test_defaults_are_valid_and_serialisable():
@@ -42,14 +44,14 @@ def test_bad_values_name_field_value_and_accepted(field, value, accepted):
 
 
 def test_host_memory_limit_accepts_sizes():
-    assert MemoConfig(host_memory_limit="64GiB").host_memory_limit_bytes == 64 * 2**30
-    assert MemoConfig(host_memory_limit=10**9).host_memory_limit_bytes == 10**9
+    assert MemoConfig(recompute="memo", host_memory_limit="64GiB").host_memory_limit_bytes == 64 * 2**30
+    assert MemoConfig(recompute="memo", host_memory_limit=10**9).host_memory_limit_bytes == 10**9
 
 
 def test_device_memory_limit_accepts_sizes_and_defaults_to_auto():
     assert MemoConfig().device_memory_limit == "auto" and MemoConfig().device_memory_limit_bytes is None
-    assert MemoConfig(device_memory_limit="70GiB").device_memory_limit_bytes == 70 * 2**30
-    assert MemoConfig(device_memory_limit=10**9).device_memory_limit_bytes == 10**9
+    assert MemoConfig(recompute="memo", device_memory_limit="70GiB").device_memory_limit_bytes == 70 * 2**30
+    assert MemoConfig(recompute="memo", device_memory_limit=10**9).device_memory_limit_bytes == 10**9
 
 
 def test_replace_validates_and_rejects_unknown_fields():
@@ -68,7 +70,7 @@ def test_config_is_immutable():
 
 @pytest.mark.parametrize("planner", ["off", "greedy", "cpsat", "mip", "gurobi"])
 def test_every_planner_is_accepted(planner):
-    assert MemoConfig(planner=planner, planner_time_limit=2.5).planner == planner
+    assert MemoConfig(recompute="memo", planner=planner).planner == planner
 
 
 @pytest.mark.parametrize("size", [1, 2, 8])
@@ -80,3 +82,55 @@ def test_sequence_parallel_size_accepts_any_positive_int(size):
 def test_sequence_parallel_size_refuses_non_positive_or_non_int(value):
     with pytest.raises(ValueError, match=r"MemoConfig.sequence_parallel_size must be an int >= 1, got"):
         MemoConfig(sequence_parallel_size=value)
+
+
+@pytest.mark.parametrize("field", ["host_memory_limit", "device_memory_limit"])
+def test_a_size_without_its_unit_is_refused_with_the_fix(field):
+    with pytest.raises(ValueError, match=f'^MemoConfig.{field}=64 is 64 bytes; write "64GiB"'):
+        MemoConfig(recompute="memo", **{field: 64})
+    with pytest.raises(ValueError, match=f'^MemoConfig.{field}="80" has no unit: write "80GiB" .* or "80GB"'):
+        MemoConfig(recompute="memo", **{field: "80"})
+    sizes = {64 * 2**30: 64 * 2**30, 2**20: 2**20, 0: 0, "0": 0, "512B": 512, "1.5GB": 1_500_000_000}
+    for value, expected in sizes.items():
+        assert getattr(MemoConfig(recompute="memo", **{field: value}), f"{field}_bytes") == expected
+
+
+def test_an_offload_fraction_without_memo_is_an_error():
+    for recompute in ("none", "full", "selective"):
+        with pytest.raises(
+            ValueError,
+            match=f"offload_fraction=0.5 offloads tokens under recompute='memo' only; "
+            f"recompute='{recompute}' offloads nothing",
+        ):
+            MemoConfig(recompute=recompute, offload_fraction=0.5)
+    assert MemoConfig(recompute="memo", offload_fraction=0.5).offload_fraction == 0.5
+
+
+@pytest.mark.parametrize(
+    "settings,inert",
+    [
+        (dict(planner="cpsat"), "planner='cpsat' does nothing with recompute='none'"),
+        (
+            dict(recompute="full", host_memory_limit="64GiB"),
+            "host_memory_limit='64GiB' does nothing with recompute='full'",
+        ),
+        (dict(recompute="selective", device_memory_limit="70GiB"), "device_memory_limit='70GiB' does nothing"),
+        (dict(recompute="memo", offload_fraction=0.5, layer_time=1.0), "layer_time=1.0 does nothing with offload_fr"),
+        (dict(recompute="memo", host_bandwidth=1e9, offload_fraction=0.0), "host_bandwidth=1000000000.0 does nothing"),
+        (dict(recompute="memo", planner_time_limit=2.5), "planner_time_limit=2.5 does nothing with planner='off'"),
+        (dict(mlp_chunks=2, lm_head_chunks=3, min_chunk_tokens=64), "min_chunk_tokens=64 does nothing with fixed"),
+    ],
+)
+def test_a_setting_that_does_nothing_warns(settings, inert):
+    with pytest.warns(MemoConfigWarning, match=f"^MemoConfig.{inert}"):
+        MemoConfig(**settings)
+
+
+def test_settings_that_act_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemoConfig(recompute="memo", planner="cpsat", planner_time_limit=2.5, host_memory_limit="64GiB")
+        MemoConfig(recompute="memo", offload_fraction=0.5, device_memory_limit="70GiB")
+        MemoConfig(recompute="memo", layer_time=1.0, host_bandwidth=1e9)
+        MemoConfig(mlp_chunks=2, min_chunk_tokens=64)  # the LM head's count is "auto"
+        MemoConfig(recompute="full", mlp_chunks=4, lm_head_chunks=4)
