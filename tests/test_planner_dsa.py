@@ -10,7 +10,7 @@ from hf_memo.planner import dsa
 from hf_memo.planner.dsa import PlannerWarning, solve_dsa
 from hf_memo.planner.exact import ExactResult
 from hf_memo.planner.lifetimes import Lifetime, Trace
-from hf_memo.planner.solution import check_placement
+from hf_memo.planner.solution import check_placement, find_conflict
 from tests.planner_traces import brute_force_optimum, traces
 
 # Greedy (largest first, best fit) needs 6 units here, the optimum is 5 = the lower bound: tensor 0 at 0,
@@ -62,6 +62,31 @@ def test_hand_made_trace_where_greedy_misses_the_optimum():
         solution = solve_dsa(trace, solver, alignment=1, time_limit=10)
         assert (solution.peak, solution.optimal, solution.solver) == (5, True, solver)
         check_placement(trace, solution.offsets)
+
+
+def test_a_greedy_placement_within_the_near_optimal_share_of_the_bound_ends_the_search(monkeypatch):
+    def unused(*args):
+        raise AssertionError("the exact solver ran for a placement already near the bound")
+
+    monkeypatch.setattr(dsa, "cpsat_offsets", unused)
+    monkeypatch.setattr(dsa, "NEAR_OPTIMAL", 0.2)  # 6 is within 20% of 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        solution = solve_dsa(Trace.from_events(GREEDY_IS_NOT_OPTIMAL), "cpsat", alignment=1)
+    assert (solution.peak, solution.lower_bound, solution.optimal) == (6, 5, False)
+    assert solution.status.startswith("feasible: peak 1.200000 x lower bound")
+
+
+def test_cpsat_stops_within_its_gap_and_only_claims_what_it_proved():
+    lives = Trace.from_events(GREEDY_IS_NOT_OPTIMAL).lifetimes
+    start, end, size = (
+        np.array([getattr(life, k) for life in lives], dtype=np.int64) for k in ("start", "end", "size")
+    )
+    greedy = np.array([3, 0, 0, 3])  # peak 6, a valid placement
+    result = dsa.cpsat_offsets(start, end, size, greedy, floor=4, time_limit=10, gap=0.5)
+    peak = int((result.offsets + size).max())
+    assert find_conflict(start, end, size, result.offsets) is None and result.bound == 5
+    assert peak in (5, 6) and result.proven == (peak == 5)  # OPTIMAL within the gap is not a proof of 6
 
 
 def test_sizes_are_rounded_up_to_the_alignment_and_offsets_aligned():
