@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hf_memo.planner.bilevel import layer_segments, plan_fingerprint, plan_memory
+from hf_memo.planner.dsa import PlannerWarning
 from hf_memo.planner.lifetimes import Lifetime, Trace
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.solution import check_placement
@@ -172,3 +173,30 @@ def test_loading_something_else_is_a_clear_error(tmp_path):
     path.write_text("{")
     with pytest.raises(ValueError, match="plan.json: not an hf_memo plan"):
         MemoryPlan.load(path)
+
+
+def test_an_arena_the_caching_allocator_would_beat_is_kept_but_not_used():
+    """A 40 MiB owned buffer freed before a 40 MiB peak: the allocator reuses its segment, an arena holds it."""
+    MiB = 2**20
+    step = StepBuilder()
+    weights = step.malloc(12 * MiB)
+    buffer = step.malloc(40 * MiB, name="rounding 0")
+    step.free(buffer)
+    logits = step.malloc(40 * MiB)
+    step.free(logits, weights)
+    with pytest.warns(PlannerWarning, match=r"\(40.00 MiB, held all step\) would make the caching allocator reserve"):
+        plan = plan_memory(step.trace(), progress=False)
+    assert plan.stats["allocator"] == {"reserved": 52 * MiB, "reserved_with_arena": 92 * MiB}
+    assert not plan.arena_used and plan.arena_offsets == {"rounding 0": 0}  # the layout stays, for the record
+    assert "(1 buffers, not used)" in plan.summary() and "not used: the caching allocator alone reserves less" in (
+        plan.summary()
+    )
+    assert MemoryPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+    step = StepBuilder()  # the buffer alive at the peak: the arena costs nothing more
+    weights = step.malloc(12 * MiB)
+    buffer = step.malloc(40 * MiB, name="rounding 0")
+    logits = step.malloc(40 * MiB)
+    step.free(logits, buffer, weights)
+    plan = plan_memory(step.trace(), progress=False)
+    assert plan.arena_used and plan.stats["allocator"]["reserved_with_arena"] <= plan.stats["allocator"]["reserved"]

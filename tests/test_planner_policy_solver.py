@@ -119,3 +119,11 @@ def test_bad_inputs_name_the_argument(kwargs, message):
     }
     with pytest.raises(ValueError, match=message):
         solve_policy(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("device_budget", [8 * 3.0, 8 * 4.0, 8 * 6.0])
+def test_without_host_memory_the_bound_names_what_holds_the_bytes(device_budget):
+    costs = LayerCosts(1.0, 1.0, 4.0, 1.0, 2.0, 0.5, 0.5)
+    policy = solve_policy(8, costs, bandwidth=100.0, device_budget=device_budget, host_budget=0.0, alpha_steps=4)
+    assert policy.host_bytes == 0 and not any(layer.on_host for layer in policy.layers)
+    assert policy.bound == ("all" if device_budget == 8 * 6.0 else "device memory")

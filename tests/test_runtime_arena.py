@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import pytest
@@ -128,6 +129,16 @@ def test_without_a_plan_buffers_are_normal_allocations_tagged_with_their_name():
     assert not arena.planned and tensor.shape == (4, 3) and tensor.dtype == torch.bfloat16
     assert owner_of(tensor.untyped_storage()) == "layer 0 rounding 0"
     arena.release("layer 0 rounding 0")
+
+
+def test_a_plan_whose_arena_is_not_used_serves_every_buffer_normally_without_warnings(planned):
+    _, plan = planned
+    unused = dataclasses.replace(plan, arena_used=False)  # the planner found the caching allocator better
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        arena = Arena(unused, "cpu")
+        tensor = arena.take("chunk 0 hidden", (8, HIDDEN), torch.float64)
+    assert not arena.planned and arena.buffer.numel() == 0 and owner_of(tensor.untyped_storage()) == "chunk 0 hidden"
 
 
 def test_requests_the_plan_cannot_serve_safely_fall_back_with_a_warning(planned):

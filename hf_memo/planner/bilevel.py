@@ -30,22 +30,30 @@ against the lower bound of the whole step (the most bytes ever live) so the cost
 **Arena.** The buffers hf_memo owns carry a stable ``name`` in the trace. They are placed, by name,
 in a separate small arena (their own DSA problem, with their lifetimes in the step); a name that
 is allocated several times is one slot that lives from its first malloc to its last free and is as
-large as its largest request. The runtime serves these buffers as views of one device buffer.
+large as its largest request. The runtime serves these buffers as views of one device buffer, held for
+the whole step, and every other tensor from PyTorch's caching allocator. Both ways are replayed
+(:mod:`~hf_memo.planner.caching_allocator`): when the arena would make the step reserve more device memory
+than the caching allocator does alone (the arena's bytes stay taken where the allocator would have reused a
+freed buffer's segment), the plan keeps its layout but marks it unused (``arena_used``), with a
+:class:`~hf_memo.planner.dsa.PlannerWarning`, and the runtime leaves hf_memo's buffers to the allocator.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections import defaultdict
 
 from tqdm.auto import tqdm
 
-from hf_memo.planner.dsa import solve_dsa
+from hf_memo.planner.caching_allocator import replay, replay_with_arena
+from hf_memo.planner.dsa import PlannerWarning, solve_dsa
 from hf_memo.planner.lifetimes import Lifetime, Trace
 from hf_memo.planner.plan import LayerBlock, MemoryPlan, Segment
 from hf_memo.planner.solution import check_placement
 from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.units import format_bytes
 
 LAYER_PHASE = re.compile(r"^layer (\d+) (forward|backward)$")
 
@@ -107,7 +115,8 @@ def plan_memory(
         progress: show a progress bar over the problems.
 
     Returns:
-        A :class:`MemoryPlan` whose offsets have been checked against every device tensor of ``trace``.
+        A :class:`MemoryPlan` whose offsets have been checked against every device tensor of ``trace``, with
+        ``arena_used`` false when its arena would make the step reserve more than the caching allocator alone.
     """
     began = time.perf_counter()
     full, phases = _device_trace(trace)
@@ -187,6 +196,17 @@ def plan_memory(
     )
     plan.peak = check_placement(full, plan.offsets(), alignment)
     check_placement(slots, arena.offsets, alignment)
+    reserved = replay(full).peak_reserved
+    reserved_with_arena = replay_with_arena(full, arena.peak).peak_reserved
+    if reserved_with_arena > reserved:
+        plan.arena_used = False
+        warnings.warn(
+            f"memory planner: hf_memo's buffers in their arena ({format_bytes(arena.peak)}, held all step) would make "
+            f"the caching allocator reserve {format_bytes(reserved_with_arena)} at peak, against "
+            f"{format_bytes(reserved)} without the arena; they come from the caching allocator",
+            PlannerWarning,
+            stacklevel=2,
+        )
     plan.stats = {
         "seconds": round(time.perf_counter() - began, 4),
         "tensors": len(full),
@@ -195,5 +215,6 @@ def plan_memory(
         "level1": level1_stats,
         "level2": {**level2.stats(), "pseudo_blocks": len(pseudo)},
         "arena": arena.stats(),
+        "allocator": {"reserved": reserved, "reserved_with_arena": reserved_with_arena},
     }
     return plan

@@ -10,7 +10,10 @@ A plan holds, for the trace it was made for (``fingerprint``, ``meta``):
 * ``arena_offsets`` / ``arena_sizes`` / ``arena_size`` — the buffers hf_memo owns, by name, placed
   in one arena of ``arena_size`` bytes (what :class:`hf_memo.runtime.arena.Arena` allocates);
 * ``peak`` / ``lower_bound`` — bytes the fully planned step needs, and the most bytes ever live;
-* ``stats`` — solver statistics per level.
+* ``stats`` — solver statistics per level, and what the replayed caching allocator reserves at peak for
+  the step without the arena and with it (``stats["allocator"]``);
+* ``arena_used`` — whether the runtime serves its buffers from the arena: ``False`` when the arena would make
+  the step reserve more than the caching allocator alone (plans written before this field read as ``True``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_memo.planner.dsa import NEAR_OPTIMAL
 from hf_memo.units import format_bytes
 
 FORMAT = "hf_memo-plan"
@@ -63,6 +67,7 @@ class MemoryPlan:
     arena_sizes: dict[str, int]
     meta: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    arena_used: bool = True
 
     def offsets(self) -> dict[int, int]:
         """Byte offset of every device tensor of the trace, by tensor id (both levels combined)."""
@@ -110,7 +115,7 @@ class MemoryPlan:
         lines = [
             f"plan {self.fingerprint}: peak {format_bytes(self.peak)}, lower bound {format_bytes(self.lower_bound)} "
             f"(x{ratio:.3f}); arena for owned buffers {format_bytes(self.arena_size)} "
-            f"({len(self.arena_offsets)} buffers)"
+            f"({len(self.arena_offsets)} buffers{'' if self.arena_used else ', not used'})"
         ]
         for level in self.stats.get("level1", []):
             label = f"level 1 {level['phases'][0]} (+{len(level['phases']) - 1} identical)"
@@ -118,13 +123,25 @@ class MemoryPlan:
         for label, key in (("level 2", "level2"), ("arena", "arena")):
             if key in self.stats:
                 lines.append(_level_line(label, self.stats[key]))
+        allocator = self.stats.get("allocator")
+        if allocator is not None:
+            verdict = "used" if self.arena_used else "not used: the caching allocator alone reserves less"
+            lines.append(
+                f"  caching allocator reserves {format_bytes(allocator['reserved_with_arena'])} with the arena, "
+                f"{format_bytes(allocator['reserved'])} without ({verdict})"
+            )
         if "seconds" in self.stats:
             lines.append(f"  planned in {self.stats['seconds']:.2f} s")
         return "\n".join(lines)
 
 
 def _level_line(label: str, level: dict[str, Any]) -> str:
-    proven = "optimal" if level["optimal"] else "not proven optimal"
+    if level["optimal"]:
+        proven = "optimal"
+    elif level["peak"] <= level["lower_bound"] * (1 + NEAR_OPTIMAL):
+        proven = f"within {NEAR_OPTIMAL:.2%} of the lower bound"
+    else:
+        proven = "not proven optimal"
     return (
         f"  {label}: {level['tensors']} tensors, x{level['ratio']:.3f}, {proven}, "
         f"{level['seconds']:.2f} s ({level['solver']})"

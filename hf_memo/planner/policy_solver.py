@@ -163,7 +163,7 @@ def solve_policy(
     Returns:
         the policy, with ``predicted_step_seconds`` (decoder layers only), ``device_bytes``, ``host_bytes``
         and ``bound``: ``"all"`` (nothing recomputed, no copy exposed), else which of ``"device memory"``,
-        ``"host memory"`` is within one alpha step of full, else ``"bandwidth"``.
+        ``"host memory"`` (only with host bytes) is within one alpha step of full, else ``"bandwidth"``.
 
     Raises:
         PolicyDoesNotFit: not even ``X`` only with alpha 0 everywhere fits, with the shortfall in bytes.
@@ -257,7 +257,7 @@ def solve_policy(
         bound = "all"
     elif device + unit > device_budget:
         bound = "device memory"
-    elif host + unit > host_budget:
+    elif host > 0 and host + unit > host_budget:
         bound = "host memory"
     else:
         bound = "bandwidth"

@@ -15,7 +15,9 @@ occupies: a request that would overlap one (the run's lifetimes differ from the 
 larger than its planned slot (other shapes than planned), that names a buffer the plan does not
 know, or that comes with no plan (``planner="off"``, or a plan made for another trace) is served by
 a normal allocation from PyTorch's caching allocator instead, with a warning. Results are never
-wrong; only the memory saving is lost.
+wrong; only the memory saving is lost. A plan whose arena would make the step reserve more than the caching
+allocator alone (``plan.arena_used`` false; the planner said so when it made the plan) serves every request by a
+normal allocation, without further warnings.
 
 Buffers handed out by a normal allocation are tagged with their name
 (:func:`hf_memo.profiler.placement.mark_owned`), so profiling a run without a plan records the
@@ -45,7 +47,8 @@ class Arena:
     """Planned views into one ``torch.uint8`` buffer of ``plan.arena_size`` bytes on ``device``.
 
     Args:
-        plan: the plan to follow; ``None`` serves every request by a normal allocation.
+        plan: the plan to follow; ``None``, or a plan whose arena is not used (``arena_used``), serves every
+            request by a normal allocation.
         device: where the buffer lives (``"cuda"``, ``"cpu"``, ...).
         fingerprint: the fingerprint of the run's own trace, when known
             (:func:`hf_memo.planner.bilevel.plan_fingerprint`); a plan made for another trace is not
@@ -61,6 +64,8 @@ class Arena:
                 ArenaWarning,
                 stacklevel=2,
             )
+            plan = None
+        if plan is not None and not plan.arena_used:
             plan = None
         self.plan = plan
         size = plan.arena_size if plan is not None else 0
