@@ -4,17 +4,22 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2Config, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+
+import hf_memo
+from hf_memo.data import LONGALPACA_DIR, LONGALPACA_SAMPLE, LONGALPACA_TOKENIZER
+from hf_memo.integrations.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "longalpaca"
-TOKENIZER = RECIPE / "sample_tokenizer"
+TOKENIZER = LONGALPACA_TOKENIZER
 
 
 def load_script(name: str):
@@ -51,14 +56,17 @@ def tiny_config(path: Path, **overrides) -> Path:
 
 def test_shipped_sample_is_what_the_generator_makes_and_small(tmp_path):
     load_script("make_sample").write_sample(tmp_path)
-    assert (tmp_path / "sample.json").read_bytes() == (RECIPE / "sample.json").read_bytes()
+    assert (tmp_path / "sample.json").read_bytes() == LONGALPACA_SAMPLE.read_bytes()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "sample_tokenizer" / name).read_bytes() == (TOKENIZER / name).read_bytes()
-    assert (RECIPE / "sample.json").stat().st_size < 400_000
+    assert LONGALPACA_SAMPLE.stat().st_size < 400_000
+    shipped = sorted(path.relative_to(LONGALPACA_DIR) for path in LONGALPACA_DIR.rglob("*") if path.is_file())
+    assert shipped == sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
+    assert not list(RECIPE.glob("sample*"))  # one copy: the package's
 
 
 def test_sample_records_are_longalpaca_format_and_answers_come_from_their_document(tokenizer):
-    records = json.loads((RECIPE / "sample.json").read_text())
+    records = json.loads(LONGALPACA_SAMPLE.read_text())
     assert len(records) == 40
     assert len({record["file"] for record in records}) == 40
     for record in records:
@@ -103,7 +111,7 @@ def test_long_instructions_lose_their_middle_and_answers_that_do_not_fit_drop_th
 
 
 def test_packing_puts_whole_records_in_order_into_full_rows_with_restarting_positions(recipe, tokenizer):
-    records = recipe.load_records(str(RECIPE / "sample.json"))
+    records = recipe.load_records(str(LONGALPACA_SAMPLE))
     rows = recipe.training_rows(records, tokenizer, recipe.prompt_format("llama2"), 4096, packing=True, pad_token_id=0)
     encoded = [
         recipe.encode_record(r["instruction"], r["output"], tokenizer, recipe.prompt_format("llama2"), 4096)
@@ -195,12 +203,89 @@ def test_recipe_end_to_end_with_lora_memo_packing_and_rope_scaling_then_resumed(
     assert len(logged) == 3 and all("'hf_memo/alpha'" in line for line in logged)
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert adapter["peft_type"] == "LORA" and set(adapter["modules_to_save"]) == {"embed_tokens", "norm"}
+    assert adapter["base_model_name_or_path"] == str(out / "base")
     assert (out / "adapter_model.safetensors").is_file() and (out / "checkpoint-3").is_dir()
+    assert (out / "tokenizer.json").is_file() and (out / "base" / "model.safetensors").is_file()
+    assert json.loads((out / "base" / "config.json").read_text())["rope_parameters"]["factor"] == 2.0
+    assert (
+        "Load it with plain Transformers and PEFT (no hf_memo):\n"
+        "    from peft import PeftModel; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(out / 'base')!r}), "
+        f"{str(out)!r})\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained({str(out)!r})"
+    ) in result.stdout
+    assert re.search(
+        r"the longest --max_seq_len that fits: hf-memo estimate --model \S+tiny.json --trainable lora --lora-rank 8 "
+        r"--lora-targets q_proj,k_proj,v_proj,o_proj --trainable-modules embed_tokens,norm --dtype fp32 --seq-len 256 "
+        r"--gpu-memory 80GiB --host-memory \d+GiB$",
+        result.stdout,
+        flags=re.MULTILINE,
+    )
+    base = (out / "base" / "model.safetensors").read_bytes()
 
     resumed = run_recipe(tmp_path, *arguments, "--max_steps", "4", "--resume_from_checkpoint", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"memory plan (reused): {out / 'hf_memo_plan.json'}" in resumed.stdout
     assert "trained 4 steps" in resumed.stdout
+    assert (out / "base" / "model.safetensors").read_bytes() == base  # the seeded random base the adapter trained on
+
+
+# Loads both results in a process that never imports hf_memo, with the lines the recipe printed; writes the logits
+# of the same tokens (longer than the base's 128-token context: RoPE's scaling shows) and what the configs say.
+LOAD_IN_PLAIN_TRANSFORMERS = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+ids, results = torch.load(sys.argv[1]), {}
+for name, snippet in json.loads(sys.argv[2]).items():
+    exec(snippet)
+    with torch.no_grad():
+        results[name] = {
+            "logits": model.eval()(input_ids=ids).logits,
+            "rope": model.config.rope_parameters,
+            "context": model.config.max_position_embeddings,
+            "tokenizer": len(tokenizer),
+        }
+    if name == "adapter":
+        with model.disable_adapter(), torch.no_grad():
+            results["base"] = {"logits": model(input_ids=ids).logits}
+assert not [module for module in sys.modules if module.split(".")[0] == "hf_memo"]
+torch.save(results, sys.argv[3])
+"""
+
+
+def test_recipe_saves_what_reloads_in_plain_transformers_as_adapter_and_merged(recipe, tmp_path):
+    arguments = [
+        *("--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER)),
+        *("--max_seq_len", "256", "--max_samples", "8", "--max_steps", "2", "--per_device_train_batch_size", "1"),
+        *("--learning_rate", "1e-2", "--dtype", "float32", "--planner", "greedy", "--use_cpu", "--report_to", "none"),
+        *("--save_strategy", "no", "--disable_tqdm", "True", "--output_dir", str(tmp_path / "adapter")),
+    ]
+    parser = HfArgumentParser((recipe.RecipeArguments, recipe.TrainingArguments))
+    recipe_args, training = parser.parse_args_into_dataclasses(args=arguments)
+    trainer = recipe.setup(recipe_args, training)
+    trainer.train()
+    ids = torch.randint(4096, (2, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = hf_memo.revert(trainer.model).eval()(input_ids=ids).logits
+    snippets = {"adapter": recipe.save_result(trainer, recipe_args)}
+    recipe_args.merge, trainer.args.output_dir = True, str(tmp_path / "merged")
+    snippets["merged"] = recipe.save_result(trainer, recipe_args)
+    assert "PeftModel" not in snippets["merged"] and not (tmp_path / "merged" / "adapter_config.json").exists()
+
+    torch.save(ids, tmp_path / "ids.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    script = [LOAD_IN_PLAIN_TRANSFORMERS, str(tmp_path / "ids.pt"), json.dumps(snippets), str(tmp_path / "out.pt")]
+    loaded = subprocess.run([sys.executable, "-c", *script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(results["adapter"]["logits"], trained, rtol=0, atol=1e-6)  # the same operations
+    torch.testing.assert_close(results["merged"]["logits"], trained, rtol=0, atol=1e-5)  # W + BA folded: rounding
+    assert (results["base"]["logits"] - trained).abs().max() > 1e-2  # training moved it: the comparison could fail
+    for name in ("adapter", "merged"):
+        rope = results[name]["rope"]
+        assert (rope["rope_type"], rope["factor"], results[name]["context"]) == ("linear", 2.0, 256)
+        assert results[name]["tokenizer"] == 4096
 
 
 def test_recipe_full_fine_tuning_llama3_one_record_per_row(recipe, tmp_path, capsys):
@@ -236,3 +321,35 @@ def test_recipe_refuses_bad_choices(recipe, tmp_path, capsys):
     assert "MemoConfig.recompute must be one of" in capsys.readouterr().err
     assert recipe.main([*base, "--use_hf_memo", "False", "--sequence_parallel_size", "2"]) == 2
     assert "--sequence_parallel_size needs hf_memo" in capsys.readouterr().err
+    assert recipe.main([*base, "--lora", "False", "--merge", "True"]) == 2
+    assert "--merge merges the LoRA adapters into the model: it needs --lora" in capsys.readouterr().err
+
+
+def test_recipe_refuses_to_save_whole_weights_that_zero3_partitions(recipe, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(recipe, "is_deepspeed_zero3_enabled", lambda: True)
+    base = ["--model_config", str(tiny_config(tmp_path / "tiny.json")), "--tokenizer", str(TOKENIZER), "--use_cpu"]
+    assert recipe.main(base) == 2
+    assert "LoRA on a randomly initialised base (--model_config) save whole weights, which ZeRO-3" in (
+        capsys.readouterr().err
+    )
+
+
+def test_estimate_command_names_the_recipes_trainable_parameters_and_parses(recipe):
+    recipe_args = recipe.RecipeArguments(model_name_or_path="meta-llama/Meta-Llama-3-8B", max_seq_len=32768)
+    command = recipe.estimate_command(recipe_args, "80GiB", "128GiB")
+    assert command == (
+        "hf-memo estimate --model meta-llama/Meta-Llama-3-8B --trainable lora --lora-rank 8 "
+        "--lora-targets q_proj,k_proj,v_proj,o_proj --trainable-modules embed_tokens,norm --seq-len 32768 "
+        "--gpu-memory 80GiB --host-memory 128GiB"
+    )
+    full = recipe.RecipeArguments(
+        model_config="tiny.json", lora=False, dtype="float32", max_seq_len=4096, sequence_parallel_size=4
+    )
+    assert recipe.estimate_command(full, "139GiB", "64GiB", num_gpus=8) == (
+        "hf-memo estimate --model tiny.json --trainable full --dtype fp32 --seq-len 4096 --num-gpus 8 "
+        "--sequence-parallel 4 --gpu-memory 139GiB --host-memory 64GiB"
+    )
+    for line in (command, recipe.estimate_command(full, "139GiB", "64GiB", num_gpus=8)):
+        words = shlex.split(line)[1:]
+        args = build_parser("estimate").parse_args(words)  # every flag exists (a typo exits with a suggestion)
+        assert (args.command, args.seq_len) == ("estimate", words[words.index("--seq-len") + 1])

@@ -2,14 +2,18 @@ import importlib.util
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hf_memo.data import LONGALPACA_SAMPLE, LONGALPACA_TOKENIZER
 from hf_memo.integrations.cli import main
-from hf_memo.integrations.demo import SAMPLE_DIR, packed_rows
+from hf_memo.integrations.demo import packed_rows
 from hf_memo.planner.plan import MemoryPlan
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "longalpaca" / "train.py"
 
 
 def test_demo_trains_both_to_the_same_losses_and_compares_peak_memory(tmp_path, capsys):
@@ -39,16 +43,16 @@ def test_demo_rejects_bad_arguments(tmp_path, capsys):
     assert main(["demo", "--steps", "0"]) == 2
     assert "hf-memo demo: error: --steps and --threads must be >= 1" in capsys.readouterr().err
     assert main(["demo", "--data", str(tmp_path / "missing.json")]) == 2
-    assert "missing.json does not exist (the sample ships in examples/longalpaca/" in capsys.readouterr().err
+    assert f"missing.json does not exist (the shipped sample is {LONGALPACA_SAMPLE.parent})" in capsys.readouterr().err
 
 
 def test_demo_rows_are_the_recipes_llama2_records_concatenated():
-    spec = importlib.util.spec_from_file_location("longalpaca_train", SAMPLE_DIR / "train.py")
+    spec = importlib.util.spec_from_file_location("longalpaca_train", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe
     spec.loader.exec_module(recipe)
-    tokenizer = AutoTokenizer.from_pretrained(SAMPLE_DIR / "sample_tokenizer")
-    records = json.loads((SAMPLE_DIR / "sample.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(LONGALPACA_TOKENIZER)
+    records = json.loads(LONGALPACA_SAMPLE.read_text())
     input_ids, labels = packed_rows(records, tokenizer, 2048)
     fmt = recipe.prompt_format("llama2")
     encoded = [recipe.encode_record(r["instruction"], r["output"], tokenizer, fmt, 10**6) for r in records]
@@ -60,6 +64,6 @@ def test_demo_rows_are_the_recipes_llama2_records_concatenated():
 
 
 def test_packed_rows_need_enough_tokens():
-    tokenizer = AutoTokenizer.from_pretrained(SAMPLE_DIR / "sample_tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(LONGALPACA_TOKENIZER)
     with pytest.raises(ValueError, match="fewer than --seq-len 100000"):
         packed_rows([{"instruction": "a", "output": "b"}], tokenizer, 100_000)

@@ -4,9 +4,10 @@ Every record has LongAlpaca's fields: ``instruction`` (a long document followed 
 ``output`` (the answer, derivable from the document) and ``file`` (the name of the document). The
 reports describe invented expeditions to invented islands (names are random syllables), so the
 text is free of copyright and the answers can only come from reading the report. A byte-level BPE
-tokenizer is trained on the records, so the sample trains without downloading anything::
+tokenizer is trained on the records, so the sample trains without downloading anything. Both ship inside the
+package (``hf_memo/data/longalpaca/``, :mod:`hf_memo.data`), where ``hf-memo demo`` and the recipe find them::
 
-    python examples/longalpaca/make_sample.py            # writes sample.json and sample_tokenizer/ here
+    python examples/longalpaca/make_sample.py            # rewrites hf_memo/data/longalpaca/
     python examples/longalpaca/make_sample.py --out DIR  # elsewhere
 
 The output is deterministic: running it again reproduces the shipped files byte for byte.
@@ -20,9 +21,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SAMPLE_FILE = "sample.json"
-TOKENIZER_DIR = "sample_tokenizer"
+from hf_memo.data import LONGALPACA_DIR, LONGALPACA_SAMPLE, LONGALPACA_TOKENIZER
+
+SAMPLE_FILE = LONGALPACA_SAMPLE.name
+TOKENIZER_DIR = LONGALPACA_TOKENIZER.name
 VOCAB_SIZE = 4096
 DAYS = 18  # days per report: every record (with the Llama-2 template) stays under 2,048 tokens
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -200,7 +202,9 @@ def write_sample(out: Path, count: int = 40, seed: int = 0) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=HERE, help="directory to write into (default: next to this file)")
+    parser.add_argument(
+        "--out", type=Path, default=LONGALPACA_DIR, help=f"directory to write into (default: {LONGALPACA_DIR})"
+    )
     parser.add_argument("--count", type=int, default=40, help="records (default 40)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -16,17 +16,24 @@ without padding between them: ``position_ids`` restart at 0 with each record, so
 attend to each other (no attention mask), and the room a row has left becomes one filler sample
 without targets: fixed shapes in every recompute mode and under ``--sequence_parallel_size``.
 Without packing every record is a row of its own length, padded per batch with an attention mask.
+
+Before training the run prints the ``hf-memo estimate`` command that sizes it (:func:`estimate_command`). After
+training it saves what reloads right without hf_memo (:func:`save_result`): with LoRA, the adapter and tokenizer,
+and in ``base/`` the base's config with RoPE scaled as trained (and the base's weights if it was randomly
+initialised); with ``--merge`` or full fine-tuning, the whole model and tokenizer. It prints the lines that load it.
 """
 
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from datasets import Dataset, load_dataset
 from transformers import (
@@ -39,16 +46,20 @@ from transformers import (
     PreTrainedTokenizerBase,
     Trainer,
     TrainingArguments,
+    set_seed,
 )
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 import hf_memo
 from hf_memo import MemoCallback, MemoConfig
+from hf_memo.data import LONGALPACA_SAMPLE, LONGALPACA_TOKENIZER
 
-HERE = Path(__file__).resolve().parent
 PROMPT_FORMATS = ("llama2", "llama3")
 ROPE_TYPES = ("none", "linear", "dynamic", "yarn")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 IGNORE = -100
+BASE_DIR = "base"  # under --output_dir with LoRA: the base model's config (RoPE scaled) and, if random, weights
+ESTIMATE_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass
@@ -61,10 +72,11 @@ class RecipeArguments:
         metadata={"help": "instead of weights: a config.json (or its directory) to build a randomly initialised model"},
     )
     tokenizer: str | None = field(
-        default=None, metadata={"help": f"tokenizer (default: the model's); offline: {HERE / 'sample_tokenizer'}"}
+        default=None, metadata={"help": f"tokenizer (default: the model's); offline: {LONGALPACA_TOKENIZER}"}
     )
     data: str = field(
-        default=str(HERE / "sample.json"), metadata={"help": "LongAlpaca JSON file, directory or Hub name"}
+        default=str(LONGALPACA_SAMPLE),
+        metadata={"help": "LongAlpaca JSON file, directory or Hub name (default: the sample shipped with hf_memo)"},
     )
     data_split: str = field(default="train", metadata={"help": "split of a directory or Hub dataset"})
     max_samples: int | None = field(default=None, metadata={"help": "use only the first N records"})
@@ -86,6 +98,10 @@ class RecipeArguments:
     trainable_modules: str = field(
         default="embed_tokens,norm",
         metadata={"help": "modules trained in full next to LoRA (comma-separated, '' none)"},
+    )
+    merge: bool = field(
+        default=False,
+        metadata={"help": "with LoRA: save the model with the adapters merged in, instead of the adapter and its base"},
     )
     dtype: str = field(default="bfloat16", metadata={"help": "parameter dtype: bfloat16, float16 or float32"})
     use_hf_memo: bool = field(
@@ -337,10 +353,110 @@ def add_lora(model: PreTrainedModel, recipe: RecipeArguments) -> Any:
     return get_peft_model(model, lora)
 
 
+# -- sizing and saving -----------------------------------------------------------------------------------------
+def estimate_command(recipe: RecipeArguments, gpu_memory: str, host_memory: str, num_gpus: int = 1) -> str:
+    """The ``hf-memo estimate`` command line that sizes this run: the recipe's model, dtype, trainable parameters
+    (LoRA rank, targets and fully trained modules as given), length and parallelism, on ``gpu_memory`` per GPU
+    and ``host_memory`` (sizes with a unit, e.g. ``80GiB``). It prints each mode's peak memory at ``--max_seq_len``
+    and the longest length that fits."""
+    words = ["hf-memo", "estimate", "--model", recipe.model_name_or_path or recipe.model_config]
+    if recipe.lora:
+        words += ["--trainable", "lora", "--lora-rank", str(recipe.lora_r)]
+        words += ["--lora-targets", ",".join(name for name in recipe.lora_target_modules.split(",") if name)]
+        modules = ",".join(name for name in recipe.trainable_modules.split(",") if name)
+        words += ["--trainable-modules", modules] if modules else []
+    else:
+        words += ["--trainable", "full"]
+    if recipe.dtype != "bfloat16":
+        words += ["--dtype", ESTIMATE_DTYPES[recipe.dtype]]
+    words += ["--seq-len", str(recipe.max_seq_len)]
+    if num_gpus > 1:
+        words += ["--num-gpus", str(num_gpus), "--sequence-parallel", str(recipe.sequence_parallel_size)]
+    words += ["--gpu-memory", gpu_memory, "--host-memory", host_memory]
+    return shlex.join(words)
+
+
+def machine_memory(recipe: RecipeArguments, training: TrainingArguments) -> tuple[str, str]:
+    """``(gpu_memory, host_memory)`` to size this run with: this GPU's memory (80GiB, an H100's, when training on
+    CPU) and ``--host_memory_limit``, or this machine's memory when that is ``auto``."""
+    gpu = 80 * 2**30
+    if torch.cuda.is_available() and not training.use_cpu:
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    host = recipe.host_memory_limit
+    if host == "auto":
+        host = f"{psutil.virtual_memory().total // 2**30}GiB"
+    return f"{gpu // 2**30}GiB", host
+
+
+def save_base(model: PreTrainedModel, recipe: RecipeArguments, folder: Path) -> None:
+    """What the LoRA adapter needs beside it to reload right: the base's config, RoPE scaled as trained (loading the
+    adapter onto the base's own config would silently use unscaled RoPE), and, for a randomly initialised base
+    (``--model_config``), its weights: they exist nowhere else."""
+    if recipe.model_config is not None:
+        model.save_pretrained(folder)
+        model.name_or_path = str(folder)  # the adapter's base_model_name_or_path: where its base now is
+    else:
+        model.config.save_pretrained(folder)
+
+
+def load_snippet(recipe: RecipeArguments, output_dir: str) -> str:
+    """Python lines that load what :func:`save_result` saved, with plain Transformers (and PEFT for an adapter)."""
+    out = repr(str(output_dir))
+    if not recipe.lora or recipe.merge:
+        return (
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"model, tokenizer = AutoModelForCausalLM.from_pretrained({out}), AutoTokenizer.from_pretrained({out})"
+        )
+    base = repr(str(Path(output_dir) / BASE_DIR))
+    if recipe.model_name_or_path is None:
+        imports, base_model = "AutoModelForCausalLM", f"AutoModelForCausalLM.from_pretrained({base})"
+    else:
+        imports = "AutoConfig, AutoModelForCausalLM"
+        base_model = (
+            f"AutoModelForCausalLM.from_pretrained({recipe.model_name_or_path!r}, "
+            f"config=AutoConfig.from_pretrained({base}))"
+        )
+    return (
+        f"from peft import PeftModel; from transformers import {imports}, AutoTokenizer\n"
+        f"model = PeftModel.from_pretrained({base_model}, {out})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({out})"
+    )
+
+
+def save_result(trainer: Trainer, recipe: RecipeArguments) -> str:
+    """Save the trained model so that it reloads right without hf_memo; the Python lines that load it.
+
+    Full fine-tuning, or LoRA with ``--merge``: the whole model (its config with RoPE scaled) and the tokenizer in
+    ``--output_dir``. LoRA: the adapter (with the ``--trainable_modules`` trained in full) and the tokenizer there,
+    beside ``base/`` (:func:`save_base`, written by :func:`setup` before training). hf_memo, which changes no
+    weights, is reverted first, and LoRA is merged in place: call this last.
+    """
+    output_dir = trainer.args.output_dir
+    if recipe.use_hf_memo:
+        hf_memo.revert(trainer.model)
+    if recipe.lora and recipe.merge:
+        merged = trainer.model.merge_and_unload()
+        if trainer.args.should_save:
+            merged.save_pretrained(output_dir)
+            trainer.processing_class.save_pretrained(output_dir)
+    else:
+        trainer.save_model()
+    return load_snippet(recipe, output_dir)
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
     """Data, model, hf_memo and the Trainer; ``ValueError`` for contradictory or bad arguments."""
     config = memo_config(recipe)
+    if not recipe.use_hf_memo and config.sequence_parallel_size > 1:
+        raise ValueError("--sequence_parallel_size needs hf_memo; drop --use_hf_memo False")
+    if recipe.merge and not recipe.lora:
+        raise ValueError("--merge merges the LoRA adapters into the model: it needs --lora (the default)")
+    if is_deepspeed_zero3_enabled() and recipe.lora and (recipe.merge or recipe.model_config is not None):
+        raise ValueError(
+            "--merge and LoRA on a randomly initialised base (--model_config) save whole weights, which ZeRO-3 "
+            "partitions: save the adapter of a pretrained base, then merge it after training"
+        )
     if recipe.max_seq_len < 2:
         raise ValueError(f"--max_seq_len must be >= 2, got {recipe.max_seq_len}")
     fmt = prompt_format(recipe.prompt_format, recipe.system_prompt)
@@ -351,15 +467,16 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with training.main_process_first(desc="tokenizing"):
         rows = training_rows(records, tokenizer, fmt, recipe.max_seq_len, recipe.packing, pad)
+    set_seed(training.seed)  # a randomly initialised base is the same on every rank and on resuming
     model = load_model(recipe)
     if len(tokenizer) > model.config.get_text_config().vocab_size:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary {model.config.vocab_size}"
         )
     if recipe.lora:
+        if not recipe.merge and training.should_save:
+            save_base(model, recipe, Path(training.output_dir) / BASE_DIR)
         model = add_lora(model, recipe)
-    if not recipe.use_hf_memo and config.sequence_parallel_size > 1:
-        raise ValueError("--sequence_parallel_size needs hf_memo; drop --use_hf_memo False")
     if recipe.use_hf_memo:
         hf_memo.apply(model, config)
     peak = None if recipe.peak_tflops is None else recipe.peak_tflops * 1e12
@@ -377,6 +494,8 @@ def setup(recipe: RecipeArguments, training: TrainingArguments) -> Trainer:
         attach(trainer.accelerator, trainer.model)
     what = f"hf_memo recompute={config.recompute!r}, planner={config.planner!r}" if recipe.use_hf_memo else "plain HF"
     print(f"{len(rows)} rows of up to {recipe.max_seq_len} tokens from {len(records)} records; {what}")
+    command = estimate_command(recipe, *machine_memory(recipe, training), num_gpus=training.world_size)
+    print(f"Memory of this run per mode, and the longest --max_seq_len that fits: {command}")
     return trainer
 
 
@@ -392,11 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = True  # the last checkpoint in --output_dir
     result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
+    snippet = save_result(trainer, recipe)
     callback = next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MemoCallback)), None)
     if callback is not None and callback.plan_path is not None:
         print(f"memory plan ({callback.plan_source}): {callback.plan_path}")
     print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}; model in {training.output_dir}")
+    needs = "Transformers and PEFT" if recipe.lora and not recipe.merge else "Transformers"
+    print(f"Load it with plain {needs} (no hf_memo):\n" + "\n".join(f"    {line}" for line in snippet.splitlines()))
     return 0
 
 

@@ -31,6 +31,7 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
 
 from hf_memo.config import MemoConfig
+from hf_memo.data import LONGALPACA_SAMPLE, LONGALPACA_TOKENIZER
 from hf_memo.integrations.trainer import ALPHA, HOST_OFFLOAD, TOKENS_PER_SECOND, MemoCallback
 from hf_memo.patches.apply import apply
 from hf_memo.profiler.analysis import peak
@@ -40,7 +41,6 @@ from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.units import format_bytes
 
-SAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "longalpaca"
 PLOT_FILE = "memory_timeline.png"
 IGNORE = -100
 LONGER = (4, 16)  # the table's other lengths, as multiples of --seq-len
@@ -51,8 +51,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per row (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("hf_memo_demo"), help="default ./hf_memo_demo")
-    parser.add_argument("--data", type=Path, default=SAMPLE_DIR / "sample.json", help="LongAlpaca JSON records")
-    parser.add_argument("--tokenizer", type=Path, default=SAMPLE_DIR / "sample_tokenizer", help="tokenizer directory")
+    parser.add_argument(
+        "--data", type=Path, default=LONGALPACA_SAMPLE, help="LongAlpaca JSON records (default: the shipped sample)"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=LONGALPACA_TOKENIZER, help="tokenizer directory (default: the sample's)"
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: the small model gains little from more)"
     )
@@ -185,9 +189,7 @@ def run(args: argparse.Namespace) -> int:
         )
     for name, path in (("--data", args.data), ("--tokenizer", args.tokenizer)):
         if not path.exists():
-            raise FileNotFoundError(
-                f"{name} {path} does not exist (the sample ships in examples/longalpaca/ of the source checkout)"
-            )
+            raise FileNotFoundError(f"{name} {path} does not exist (the shipped sample is {LONGALPACA_SAMPLE.parent})")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)  # small matmuls gain little from threads; spinning ones stall a busy CPU
     try:
