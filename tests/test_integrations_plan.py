@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from hf_memo.integrations import cli
-from hf_memo.integrations.plan import AllocatorComparison, profile_step
+from hf_memo.integrations.plan import AllocatorComparison, profile_step, summary
 from hf_memo.planner.bilevel import plan_fingerprint, plan_memory
 from hf_memo.planner.lifetimes import Trace
 from hf_memo.planner.plan import MemoryPlan
@@ -93,6 +93,13 @@ def test_the_allocator_comparison_serves_owned_buffers_from_the_arena(memo_trace
     assert comparison.with_arena.peak_requested == most + plan.arena_size
     assert comparison.without_plan.peak_requested == max(Trace.from_allocations(memo_trace).live_bytes())
     assert set(comparison.to_dict()) == {"without_plan", "with_arena"}
+    used = comparison.with_arena.peak_reserved <= comparison.without_plan.peak_reserved
+    assert plan.arena_used == used and plan.stats["allocator"] == {
+        "reserved": comparison.without_plan.peak_reserved,
+        "reserved_with_arena": comparison.with_arena.peak_reserved,
+    }
+    plan.arena_used = False
+    assert "(more: the runtime would not use the arena" in summary(memo_trace, plan, comparison, 0.0)
 
 
 def _malformed(tmp_path):

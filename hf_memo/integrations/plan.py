@@ -131,7 +131,8 @@ def summary(trace: AllocationTrace, plan: MemoryPlan, allocator: AllocatorCompar
     lines.append("Caching allocator (simulated replay of the same step), reserved at peak:")
     lines.append(f"  without a plan: {_reserved(allocator.without_plan)}")
     if plan.arena_offsets:
-        lines.append(f"  hf_memo's buffers in the arena: {_reserved(allocator.with_arena)}")
+        unused = "" if plan.arena_used else " (more: the runtime would not use the arena, see the warning)"
+        lines.append(f"  hf_memo's buffers in the arena: {_reserved(allocator.with_arena)}{unused}")
     ratio = plan.peak / requested if requested else 1.0
     lines.append(f"  every tensor at its planned offset: {format_bytes(plan.peak)} (x{ratio:.3f} requested)")
     return "\n".join(lines)
