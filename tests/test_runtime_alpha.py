@@ -78,3 +78,20 @@ def test_a_requested_alpha_the_device_cannot_hold_is_lowered_and_an_impossible_b
     with pytest.warns(UserWarning, match="cannot hold the layer inputs and attention outputs the device keeps"):
         plan = solve_offload_fraction(10, 1e9, 4e9, 1e15, bandwidth=1e12, layer_time=1.0, device_budget=3e9)
     assert plan.alpha == 0.0 and plan.bound == "device memory"
+
+
+def test_alpha_is_rounded_down_to_whole_chunks():
+    args = dict(num_layers=10, fixed_bytes=0.5e9, other_bytes=2e9, host_limit=1e15, layer_time=0.1)
+    assert solve_offload_fraction(**args, bandwidth=10e9, chunks=3).alpha == 0.0  # 0.25 of 3 chunks: none
+    assert solve_offload_fraction(**args, bandwidth=10e9, chunks=8) == OffloadPlan(0.25, 8, "bandwidth")
+    assert solve_offload_fraction(**args, bandwidth=20e9, chunks=2).alpha == 0.5  # 0.75 of 2 chunks: one
+    assert solve_offload_fraction(10, 0.5e9, 2e9, 1e15, requested=0.5, chunks=3) == OffloadPlan(1 / 3, 8, "requested")
+
+
+def test_without_a_swapped_layer_the_bound_is_never_host_memory():
+    # Two layers: none is swapped, nothing is copied; only the device budget (or the request) bounds alpha.
+    assert solve_offload_fraction(2, 1e9, 4e9, 1e15, bandwidth=1e3, layer_time=1.0) == OffloadPlan(1.0, 0, "all")
+    assert solve_offload_fraction(2, 1e9, 4e9, 0, device_budget=6e9) == OffloadPlan(0.5, 0, "device memory")
+    with pytest.warns(UserWarning, match="holds the layer inputs and attention outputs of 0 of 8 layers"):
+        plan = solve_offload_fraction(10, 1e9, 4e9, 0.5e9, requested=0.25)
+    assert plan == OffloadPlan(0.25, 0, "requested")

@@ -1,3 +1,4 @@
+import math
 import weakref
 
 import torch
@@ -11,6 +12,7 @@ from hf_memo.runtime.calibration import (
     host_bandwidth,
     layer_bytes_per_token,
     layer_forward_seconds,
+    snapped,
     time_layer_forward,
 )
 from hf_memo.runtime.offload import HostPool
@@ -114,10 +116,11 @@ class _RecordingCore:
         return LocalAttention.forward(q, k, v, scale, dropout_p)
 
 
-def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them(monkeypatch):
+def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them_and_keeps_the_fastest(monkeypatch):
     split, x = _layer_input(seq=50)
     log = []
-    clock = iter(range(100))
+    # Three timed runs, four clock reads each (start, around attention, end): the second is the fastest.
+    clock = iter([0, 2, 4, 6, 10, 11, 12, 13, 20, 22, 23, 25])
 
     def perf_counter():
         log.append(("clock", None))
@@ -130,8 +133,9 @@ def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them(monkey
     finish = [("finish", b - a) for a, b in bounds]
     tick = [("clock", None)]
     warm_up = project + [("attention", 50)] + finish
-    assert log == warm_up + tick + project + tick + [("attention", 50)] + tick + finish + tick  # then the timed call
-    assert timing.seconds == 3.0 and timing.attention_seconds == 1.0  # the attention core timed alone
+    timed = tick + project + tick + [("attention", 50)] + tick + finish + tick
+    assert calibration.TIMED_RUNS == 3 and log == warm_up + timed * 3
+    assert timing.seconds == 3.0 and timing.attention_seconds == 1.0  # the fastest run; the attention core alone
     assert timing.workspace_bytes == 0  # CPU: no device memory counter
 
 
@@ -143,13 +147,20 @@ def test_timing_never_builds_a_full_length_mlp_intermediate():
     assert 72 not in widths and max(s[1] for s in shapes.shapes if len(s) == 3 and s[-1] == 72) == 16
 
 
+def test_measurements_are_snapped_to_a_grid_of_eighth_octaves():
+    assert snapped(1.0) == 1.0 and snapped(0.93) == snapped(0.95) == 2 ** (-1 / 8)
+    assert snapped(3e9) == 2 ** (round(math.log2(3e9) * 8) / 8) and abs(snapped(3e9) / 3e9 - 1) < 0.045
+    assert snapped(0.0) == 0.0
+
+
 def test_layer_forward_seconds_times_chunks_of_at_most_chunk_tokens_rows(monkeypatch):
     split, x = _layer_input(seq=50)
     log = []
     monkeypatch.setattr(calibration.time, "perf_counter", iter(range(100)).__next__)
     seconds = layer_forward_seconds(_RecordingSplit(split, log), x.detach(), chunk_tokens=16)
     projected = [rows for kind, rows in log if kind == "project"]
-    assert projected == [b - a for a, b in chunk_bounds(50, 4)] * 2  # ceil(50 / 16) = 4 chunks, warm-up then timed
+    # ceil(50 / 16) = 4 chunks: a warm-up, then the timed runs
+    assert projected == [b - a for a, b in chunk_bounds(50, 4)] * (1 + calibration.TIMED_RUNS)
     assert seconds == 3.0  # three timed intervals of one tick: projections, attention, the rest
 
 

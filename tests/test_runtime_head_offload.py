@@ -83,7 +83,7 @@ def test_the_head_input_goes_to_the_host_only_beside_host_layers_with_room_left(
     runtimes = {}
     for name, limit in limits.items():
         with pytest.warns(UserWarning, match=f"{swapped[name]} of 2 layers"):
-            runtimes[name] = _runtime(offload_fraction=0.0, host_memory_limit=limit)
+            runtimes[name] = _runtime(offload_fraction=0.0, host_memory_limit=f"{limit}B")
     assert runtimes["fits"].open_head_stash(hidden) is not None
     assert runtimes["too small"].open_head_stash(hidden) is None
     assert runtimes["no layer"].open_head_stash(hidden) is None  # every layer on the device: the step fits there

@@ -18,7 +18,7 @@ from hf_memo.planner.policy_solver import PolicyDoesNotFit
 from hf_memo.runtime import memo as memo_module
 from hf_memo.runtime.arena import ArenaWarning
 from hf_memo.runtime.attention_core import LocalAttention
-from hf_memo.runtime.calibration import layer_bytes_per_token
+from hf_memo.runtime.calibration import TIMED_RUNS, LayerForward, layer_bytes_per_token
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.offload import PlainMemory
 from tests.conftest import assert_same_grads, build_model, make_batch
@@ -49,7 +49,9 @@ def test_a_new_shape_is_solved_again_and_a_known_one_is_not():
     long_split, long = _split_and_input(seq=48)
     kept = layer_bytes_per_token(split, short)
     host = 4 * (kept.fixed + 0.5 * kept.other) * 16  # four layers at alpha 1/2 of the short shape
-    runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=0.5, host_memory_limit=math.ceil(host)), 6)
+    runtime = MemoRuntime(
+        MemoConfig(recompute="memo", offload_fraction=0.5, host_memory_limit=f"{math.ceil(host)}B"), 6
+    )
     runtime.alpha_chunks(split, short, chunk_bounds(16, 4), LocalAttention, 0)
     first = runtime.plan
     assert _on_host(first) == 4 and first.layers[0].alpha == 0.5
@@ -145,7 +147,7 @@ def test_input_only_layers_recompute_per_sample_attention_exactly(batch):
 
 
 def test_a_host_limit_too_small_for_any_layer_keeps_every_layer_on_the_device():
-    runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=1.0, host_memory_limit=1000), num_layers=6)
+    runtime = MemoRuntime(MemoConfig(recompute="memo", offload_fraction=1.0, host_memory_limit="1000B"), num_layers=6)
     split, x = _split_and_input()
     with pytest.warns(UserWarning, match="holds the layer inputs and attention outputs of 0 of 4 layers"):
         runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0)
@@ -159,6 +161,52 @@ def test_auto_alpha_uses_the_given_bandwidth_and_layer_time():
     assert fast.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0) == 4 and fast.plan.bound == "all"
     assert slow.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0) == 0
     assert slow.plan.bound == "bandwidth"
+
+
+def test_on_the_cpu_without_a_device_limit_nothing_is_timed_and_alpha_follows_from_bytes(monkeypatch):
+    def untimed(*args):
+        raise AssertionError("timed on the CPU without a device limit")
+
+    monkeypatch.setattr(memo_module, "time_layer_forward", untimed)
+    monkeypatch.setattr(memo_module, "host_bandwidth", untimed)
+    split, x = _split_and_input()
+    kept = layer_bytes_per_token(split, x)
+    roomy = MemoRuntime(MemoConfig(recompute="memo"), num_layers=6)
+    assert roomy.alpha_chunks(split, x, chunk_bounds(32, 4), LocalAttention, 0) == 4 and roomy.plan.bound == "all"
+    host = 4 * (kept.fixed + 0.6 * kept.other) * 32  # four host layers at alpha 0.6: 0.5 on a grid of 4 chunks
+    small = MemoRuntime(MemoConfig(recompute="memo", host_memory_limit=f"{math.ceil(host)}B"), num_layers=6)
+    assert small.alpha_chunks(split, x, chunk_bounds(32, 4), LocalAttention, 0) == 2
+    assert small.plan.bound == "host memory" and {layer.alpha for layer in small.plan.layers} == {0.5}
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_policy_reports_the_alpha_the_executor_runs(chunks):
+    split, x = _split_and_input()
+    kept = layer_bytes_per_token(split, x)
+    # The copy bound at alpha 0.9: T * B = S_in + S_attn + 0.9 S_other for the step's 32 tokens.
+    bandwidth = (kept.fixed + 0.9 * kept.other) * 32 / 1.0
+    runtime = MemoRuntime(MemoConfig(recompute="memo", layer_time=1.0, host_bandwidth=bandwidth), num_layers=6)
+    offloaded = runtime.alpha_chunks(split, x, chunk_bounds(32, chunks), LocalAttention, 0)
+    assert runtime.plan.bound == "bandwidth" and offloaded == {1: 0, 4: 3}[chunks]
+    assert {layer.alpha for layer in runtime.plan.layers} == {offloaded / chunks}
+    assert (
+        runtime.plan.summary()
+        == {1: "4 X+attn/host, 2 X+attn/device", 4: "4 X+attn/host (alpha 0.75), 2 X+attn/device (alpha 0.75)"}[chunks]
+    )
+
+
+def test_measured_times_a_few_percent_apart_decide_the_same_policy(monkeypatch):
+    """Timing noise (0.93 s against 0.95 s) falls on one grid point: both runs plan alike."""
+    split, x = _split_and_input()
+    kept = layer_bytes_per_token(split, x)
+    bandwidth = (kept.fixed + 9 / 16 * kept.other) * 32 / 0.94  # the copy bound at 0.94 s: alpha 9/16, a grid edge
+    policies = []
+    for seconds in (0.93, 0.95):
+        monkeypatch.setattr(memo_module, "time_layer_forward", lambda *args, s=seconds: LayerForward(s, 0, s / 4))
+        runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=bandwidth), num_layers=6)
+        runtime.alpha_chunks(split, x, chunk_bounds(32, 16), LocalAttention, 0)
+        policies.append(runtime.plan)
+    assert policies[0] == policies[1] and policies[0].bound == "bandwidth"
 
 
 def test_a_memory_plan_for_another_shape_is_not_used():
@@ -255,12 +303,12 @@ def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_
     free = MemoRuntime(MemoConfig(**config), num_layers=6)
     assert free.alpha_chunks(split, x, bounds, LocalAttention, 0) == 8 and free._device_limit(x.device) is None
     assert _on_host(free.plan) == 4 and free.plan.bound == "all"  # no device limit: MEMO's LP and layout
-    roomy = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(6 * everything)), num_layers=6)
+    roomy = MemoRuntime(MemoConfig(**config, device_memory_limit=f"{math.ceil(6 * everything)}B"), num_layers=6)
     roomy.alpha_chunks(split, x, bounds, LocalAttention, 0)
     assert roomy.plan.layers == (LayerPolicy(True, False, 1.0),) * 6 and roomy.plan.bound == "all"
     assert not roomy.offload_for(1, 32).head_offloaded  # no layer on the host: neither is the LM head's input
     tight = 2 * kept.input * tokens + 2 * (kept.fixed + 0.5 * kept.other) * tokens  # 2 device X + 2 buffers
-    limited = MemoRuntime(MemoConfig(**config, device_memory_limit=math.ceil(tight)), num_layers=6)
+    limited = MemoRuntime(MemoConfig(**config, device_memory_limit=f"{math.ceil(tight)}B"), num_layers=6)
     limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
     plan = limited.plan
     assert plan.device_bytes <= tight and plan.predicted_step_seconds is not None
@@ -280,7 +328,7 @@ def _tight_memo_model(device_layers_x_only, **config):
     model = build_model("llama", num_hidden_layers=6)
     reference = copy.deepcopy(model)
     limit = device_layers_x_only * input_bytes + _gradient_bytes(model)
-    limits = dict(device_memory_limit=limit, host_bandwidth=1e9, layer_time=1e-3)
+    limits = dict(device_memory_limit=f"{limit}B", host_bandwidth=1e9, layer_time=1e-3)
     hf_memo.apply(model, recompute="memo", mlp_chunks=4, lm_head_chunks=3, **{**limits, **config})
     # the solver's own accounting is under test (sizing: test_integrations_policy_sizing)
     hf_memo.memo_runtime(model).sizer = None
@@ -343,7 +391,7 @@ def test_calibration_times_attention_through_the_layers_own_core():
     split, x = _split_and_input()
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)
     runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), ExchangingCore(), 0)
-    assert len(calls) == 2 and calls[0][2] == x.shape[1]  # warm-up and timed call, over the whole sequence
+    assert len(calls) == 1 + TIMED_RUNS and calls[0][2] == x.shape[1]  # warm-up and timed calls, whole sequence
 
 
 def _sequence_parallel_solve(rank, world):
@@ -352,7 +400,9 @@ def _sequence_parallel_solve(rank, world):
     bandwidth = 1e15 if rank == 0 else 1e3
     model = build_model("llama", num_hidden_layers=4)
     limits = dict(
-        device_memory_limit=6 * 2 * 8 * 32 * 8 + _gradient_bytes(model), host_bandwidth=bandwidth, layer_time=1e-3
+        device_memory_limit=f"{6 * 2 * 8 * 32 * 8 + _gradient_bytes(model)}B",
+        host_bandwidth=bandwidth,
+        layer_time=1e-3,
     )
     hf_memo.apply(model, recompute="memo", mlp_chunks=2, sequence_parallel_size=2, **limits)
     hf_memo.memo_runtime(model).sizer = None  # the ranks' agreement is under test, with the solver's own accounting
@@ -471,7 +521,7 @@ def test_a_host_limit_smaller_than_the_swap_set_keeps_the_rest_on_the_device_wit
     per_layer = hf_memo.memo_runtime(probe).host_reserved_bytes // 7  # six layers and the LM head's input
     limit = int(2.5 * per_layer)
     model = hf_memo.apply(
-        copy.deepcopy(reference), recompute="memo", mlp_chunks=3, lm_head_chunks=2, host_memory_limit=limit
+        copy.deepcopy(reference), recompute="memo", mlp_chunks=3, lm_head_chunks=2, host_memory_limit=f"{limit}B"
     )
     runtime = hf_memo.memo_runtime(model)
     runtime.assume_policy(everything_on_host)

@@ -81,7 +81,7 @@ def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_keeps_
     # Two device layers and two copy buffers of one layer input each, half an input to spare: less than the
     # attention output a layer would keep beside it, so every layer keeps its input only.
     tight = torch.cuda.memory_allocated(device) + int(2.2 * workspace) + int(4.5 * layer_input)
-    limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=tight), 6)
+    limited = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, device_memory_limit=f"{tight}B"), 6)
     limited.alpha_chunks(split, x, bounds, LocalAttention, 0)
     assert not any(layer.keep_attention for layer in limited.plan.layers)
     assert sum(layer.on_host for layer in limited.plan.layers) == 4 and limited.plan.bound == "device memory"

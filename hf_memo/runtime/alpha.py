@@ -13,8 +13,11 @@ tokens), host bandwidth ``B``, one layer's forward time ``T``, host memory ``M``
 The device holds, at its fullest, the stashes of the two unswapped top layers and two buffers of a
 swapped layer's stash (the rounding buffers at the end of forward; the prefetch buffers, which take
 their place, in backward). A one-variable LP: the answer is the smallest of the bounds, clipped to
-[0, 1]. When even ``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers
-are swapped as fit and the rest keep their activations on the device (they count for ``D`` too).
+[0, 1], then rounded down to the executor's grid of whole mini-sequence chunks (what runs is what the plan
+says). When even ``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers
+are swapped as fit and the rest keep their activations on the device (they count for ``D`` too). When no
+layer is swapped (two layers or fewer, or a host too small for one), nothing is copied: only ``D`` bounds
+alpha, or the request.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class OffloadPlan:
     alpha: float
     swapped_layers: int
     bound: str  # which constraint decided alpha: "bandwidth", "host memory", "device memory", "requested" or "all"
+    # ("host memory" only with a swapped layer: the host bytes it names are never 0)
 
 
 def solve_offload_fraction(
@@ -42,6 +46,7 @@ def solve_offload_fraction(
     layer_time: float | None = None,
     requested: float | None = None,
     device_budget: float | None = None,
+    chunks: int | None = None,
 ) -> OffloadPlan:
     """Solve MEMO's LP for one layer shape.
 
@@ -56,6 +61,8 @@ def solve_offload_fraction(
             or the device cannot hold it.
         device_budget: device bytes the layers' stashes and the copy buffers may use, ``D``; ``None``
             for no limit.
+        chunks: the executor's mini-sequence chunks per layer: alpha is rounded down to whole chunks
+            (``None``: not rounded).
     """
     candidates = max(num_layers - 2, 0)
     swapped = candidates if fixed_bytes <= 0 else min(candidates, int(host_limit // fixed_bytes))
@@ -65,11 +72,13 @@ def solve_offload_fraction(
             f"{swapped} of {candidates} layers; the other {candidates - swapped} keep them on the device",
             stacklevel=2,
         )
-    if swapped == 0 or other_bytes <= 0:
-        return OffloadPlan(0.0 if other_bytes > 0 else 1.0, swapped, "host memory" if swapped == 0 else "all")
-    bounds = {"host memory": (host_limit / swapped - fixed_bytes) / other_bytes}
+    if other_bytes <= 0:  # nothing to choose: every saved activation is in S_in + S_attn
+        return OffloadPlan(1.0, swapped, "all")
+    on_device = num_layers - swapped + (2 if swapped else 0)  # resident layers' stashes + two copy buffers if any
+    bounds = {}
+    if swapped:
+        bounds["host memory"] = (host_limit / swapped - fixed_bytes) / other_bytes
     if device_budget is not None:
-        on_device = num_layers - swapped + 2  # resident layers' stashes + two rounding (or prefetch) buffers
         bounds["device memory"] = (device_budget / on_device - fixed_bytes) / other_bytes
         if bounds["device memory"] < 0:
             warnings.warn(
@@ -79,20 +88,25 @@ def solve_offload_fraction(
                 stacklevel=2,
             )
     if requested is not None:
-        bound, limit = min(bounds.items(), key=lambda item: item[1])
+        bound, limit = min(bounds.items(), key=lambda item: item[1], default=("requested", 1.0))
         if limit < requested:
             warnings.warn(
                 f"offload_fraction={requested} needs more {bound} than the limit allows; using {max(limit, 0.0):.3f}",
                 stacklevel=2,
             )
-            return OffloadPlan(max(limit, 0.0), swapped, bound)
-        return OffloadPlan(min(requested, 1.0), swapped, "requested")
-    if bandwidth is not None and layer_time is not None:
+            return OffloadPlan(_on_grid(max(limit, 0.0), chunks), swapped, bound)
+        return OffloadPlan(_on_grid(min(requested, 1.0), chunks), swapped, "requested")
+    if swapped and bandwidth is not None and layer_time is not None:
         bounds["bandwidth"] = (bandwidth * layer_time - fixed_bytes) / other_bytes
-    bound, alpha = min(bounds.items(), key=lambda item: item[1])
+    bound, alpha = min(bounds.items(), key=lambda item: item[1], default=("all", 1.0))
     if alpha >= 1.0:
         return OffloadPlan(1.0, swapped, "all")
-    return OffloadPlan(max(alpha, 0.0), swapped, bound)
+    return OffloadPlan(_on_grid(max(alpha, 0.0), chunks), swapped, bound)
+
+
+def _on_grid(alpha: float, chunks: int | None) -> float:
+    """``alpha`` rounded down to whole chunks of ``chunks`` (as is, for ``None``)."""
+    return alpha if chunks is None else quantise(alpha, chunks) / chunks
 
 
 def quantise(alpha: float, chunks: int) -> int:

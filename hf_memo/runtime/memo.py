@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
-from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, solve_policy
+from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
 from hf_memo.runtime.alpha import quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
 from hf_memo.runtime.buckets import bucket_length, stretch
@@ -27,6 +27,7 @@ from hf_memo.runtime.calibration import (
     LayerForward,
     host_bandwidth,
     layer_bytes_per_token,
+    snapped,
     time_layer_forward,
 )
 from hf_memo.runtime.executor import AttentionCore, LayerSplit
@@ -92,11 +93,11 @@ class StepMeasurements:
         chunks: the executor's mini-sequence chunks per layer (alpha is applied in whole chunks).
         per_token: ``S_in``, ``S_attn``, ``S_other`` of one layer, bytes per token.
         layer_seconds: one layer's forward ``T`` (``MemoConfig.layer_time`` or timed; ``None``: not measured,
-            ``offload_fraction`` was given).
+            ``offload_fraction`` was given, or the CPU without a device limit, see :meth:`MemoRuntime._measure`).
         attention_seconds: the attention core's part of it (``T_attn``, its timed share of ``T``; ``T - T_attn``
             is the rest, ``T_other``); ``None`` when not timed.
         bandwidth: device<->host bytes per second (``MemoConfig.host_bandwidth`` or measured; ``None`` when
-            ``offload_fraction`` was given).
+            ``layer_seconds`` is).
         host_budget: host bytes the kept tensors may use (``MemoConfig.host_memory_limit``).
         device_budget: device bytes the kept tensors and copy buffers may use: the device limit minus what is
             allocated now (weights, gradients, optimizer state) minus the backward's workspace (``None``: no
@@ -313,6 +314,7 @@ class MemoRuntime:
             layer_time=measured.layer_seconds,
             requested=measured.requested_alpha,
             device_budget=measured.device_budget,
+            chunks=measured.chunks,
         )
         layers = tuple(LayerPolicy(True, index < plan.swapped_layers, plan.alpha) for index in range(self.num_layers))
         host_bytes = plan.swapped_layers * (per_token.fixed + plan.alpha * per_token.other) * tokens
@@ -359,6 +361,7 @@ class MemoRuntime:
         steps = min(measured.chunks, SOLVER_ALPHA_STEPS)
         for _ in range(SIZING_SOLVES):
             policy = solve_policy(measured.num_layers, costs, measured.bandwidth, room, measured.host_budget, steps)
+            policy = _on_chunks(policy, measured.chunks, costs, measured.bandwidth)
             if self.sizer is None or measured.device_limit is None:
                 return policy
             seq_len = measured.tokens // measured.batch_size
@@ -386,23 +389,38 @@ class MemoRuntime:
     ) -> StepMeasurements:
         """Measure one layer on ``x`` ``(B, S, H)``: its bytes per token always; its forward time (and the
         attention core's part) and the host bandwidth when alpha is to be solved; the device budget. Tokens, and
-        times and workspace measured on ``x``, are scaled up to the longest length of ``x``'s bucket."""
+        times and workspace measured on ``x``, are scaled up to the longest length of ``x``'s bucket.
+
+        Plans are reproducible run to run: each timing is the fastest of a few runs, and measured times and
+        bandwidth are snapped to eighth octaves (9% steps, :func:`~hf_memo.runtime.calibration.snapped`) before they
+        decide anything. Noise of a few percent then changes a policy only where a measurement lies that close to a
+        grid edge: a choice between neighbours whose costs differ by less than the cost model's own error (the
+        backward is taken as twice the forward, untimed). ``MemoConfig.layer_time`` and ``host_bandwidth`` pin them.
+        On the CPU without a device limit nothing is timed: a copy there is plain (no side stream hides it behind
+        compute), so MEMO's copy bound does not apply and alpha follows from the bytes and the host limit, unless the
+        config gives a layer time or a bandwidth (of another machine, to model it)."""
         fraction = self.config.offload_fraction
         requested = None if fraction == "auto" else float(fraction)
         device_limit = self._device_limit(x.device)
         timing: LayerForward | None = None
         solver = requested is None and device_limit is not None  # it needs the attention core's share of T
-        if (requested is None and self.config.layer_time is None) or solver or (device_limit is not None and x.is_cuda):
+        # Copies hide behind compute only on CUDA's side streams: on the CPU a copy is plain, and without a device
+        # limit nothing is timed there (alpha follows from bytes), unless the config gives T or B of a machine.
+        given = self.config.layer_time is not None or self.config.host_bandwidth is not None
+        copies = requested is None and (x.is_cuda or solver or given)
+        if (copies and self.config.layer_time is None) or solver or (device_limit is not None and x.is_cuda):
             timing = time_layer_forward(split, x, bounds, core)
             longer = stretch(x.shape[1])
             timing = LayerForward(
-                timing.seconds * longer, math.ceil(timing.workspace_bytes * longer), timing.attention_seconds * longer
+                snapped(timing.seconds * longer),
+                math.ceil(timing.workspace_bytes * longer),
+                snapped(timing.attention_seconds * longer),
             )
         bandwidth = layer_time = attention_time = None
-        if requested is None:
+        if copies:
             if x.device not in self._bandwidth:
                 pool = self._transport(x.device).pool
-                self._bandwidth[x.device] = self.config.host_bandwidth or host_bandwidth(x, pool)
+                self._bandwidth[x.device] = self.config.host_bandwidth or snapped(host_bandwidth(x, pool))
             bandwidth, layer_time = self._bandwidth[x.device], self.config.layer_time or timing.seconds
         if timing is not None:  # the timed share of attention, of the layer time used (configured or timed)
             attention_time = timing.attention_seconds * (layer_time or timing.seconds) / max(timing.seconds, 1e-12)
@@ -578,6 +596,22 @@ def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.
         bandwidth=bandwidth,
         device_budget=device_budget,
         host_budget=host_budget,
+    )
+
+
+def _on_chunks(policy: MemoryPolicy, chunks: int, costs: LayerCosts, bandwidth: float) -> MemoryPolicy:
+    """``policy`` with every alpha rounded down to whole chunks of ``chunks`` (what the executor runs), its predicted
+    time and memory recomputed; the policy itself when its alphas are on that grid already."""
+    layers = tuple(replace(layer, alpha=quantise(layer.alpha, chunks) / chunks) for layer in policy.layers)
+    if layers == policy.layers:
+        return policy
+    device, host = policy_memory(layers, costs)
+    return replace(
+        policy,
+        layers=layers,
+        predicted_step_seconds=policy_seconds(layers, costs, bandwidth),
+        device_bytes=device,
+        host_bytes=host,
     )
 
 
