@@ -100,6 +100,11 @@ def test_the_allocator_comparison_serves_owned_buffers_from_the_arena(memo_trace
     }
     plan.arena_used = False
     assert "(more: the runtime would not use the arena" in summary(memo_trace, plan, comparison, 0.0)
+    assert "the runtime places only" not in summary(memo_trace, plan, comparison, 0.0)
+    plan.peak = comparison.without_plan.peak_reserved + 512  # e.g. a level the solver left at the greedy's peak
+    assert "(more than the caching allocator; the runtime places only hf_memo's buffers)" in summary(
+        memo_trace, plan, comparison, 0.0
+    )
 
 
 def _malformed(tmp_path):

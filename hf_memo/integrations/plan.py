@@ -134,7 +134,9 @@ def summary(trace: AllocationTrace, plan: MemoryPlan, allocator: AllocatorCompar
         unused = "" if plan.arena_used else " (more: the runtime would not use the arena, see the warning)"
         lines.append(f"  hf_memo's buffers in the arena: {_reserved(allocator.with_arena)}{unused}")
     ratio = plan.peak / requested if requested else 1.0
-    lines.append(f"  every tensor at its planned offset: {format_bytes(plan.peak)} (x{ratio:.3f} requested)")
+    above = plan.peak > allocator.without_plan.peak_reserved
+    note = " (more than the caching allocator; the runtime places only hf_memo's buffers)" if above else ""
+    lines.append(f"  every tensor at its planned offset: {format_bytes(plan.peak)} (x{ratio:.3f} requested){note}")
     return "\n".join(lines)
 
 
