@@ -201,9 +201,9 @@ def plan_memory(
     if reserved_with_arena > reserved:
         plan.arena_used = False
         warnings.warn(
-            f"memory planner: hf_memo's buffers in their arena ({format_bytes(arena.peak)}, held all step) would make "
-            f"the caching allocator reserve {format_bytes(reserved_with_arena)} at peak, against "
-            f"{format_bytes(reserved)} without the arena; they come from the caching allocator",
+            f"memory planner: an arena for hf_memo's buffers ({format_bytes(arena.peak)}, held all step) would make "
+            f"PyTorch's CUDA caching allocator (replayed) reserve {format_bytes(reserved_with_arena)} at peak, against "
+            f"{format_bytes(reserved)} without it; the runtime leaves the buffers to the allocator",
             PlannerWarning,
             stacklevel=2,
         )
