@@ -36,9 +36,16 @@ KINDS = (  # the order the policy solver stacks them in, bottom first
 )
 
 
-def _profiler_for(config):
+def _profiler_for(config, sp=1):
+    """Profilers of the runtime running a policy: with ``sp > 1``, of rank 0 of ``sp`` (hf_memo's Ulysses code under
+    a fake process group), lengths being the rank's positions."""
+
     def profiler_for(policy, chunks):
-        return StepProfiler(config, lambda model, _s: (memo_with_policy(policy, chunks)(model), model)[1], fresh=True)
+        def prepare(model, _session):
+            memo_with_policy(policy, chunks, sp)(model)
+            return model
+
+        return StepProfiler(config, prepare, fresh=True, sequence_parallel=sp)
 
     return profiler_for
 
@@ -62,25 +69,27 @@ def test_shapes_group_a_policy_into_blocks_and_name_their_end_layers():
 
 
 @pytest.mark.parametrize(
-    "kinds,seed",
-    [((KINDS[1], KINDS[3]), 0), (KINDS, 1)],  # what the estimator's searches choose; every kind, alpha 0
+    "kinds,seed,sp",
+    # what the estimator's searches choose, on one GPU and on one rank of two (sequence parallel); every kind
+    [((KINDS[1], KINDS[3]), 0, 1), ((KINDS[1], KINDS[3]), 2, 2), (KINDS, 1, 1)],
 )
-def test_every_policy_of_a_block_structure_is_its_own_direct_profile(kinds, seed):
+def test_every_policy_of_a_block_structure_is_its_own_direct_profile(kinds, seed, sp):
     """Fitted at blocks of 3 and 4 layers; asked about other counts, other lengths and other chunk counts, against
-    the runtime running exactly that policy."""
+    the runtime running exactly that policy (under sequence parallelism, rank 0 with its exchanges' buffers)."""
     rng = random.Random(seed)
     config = _config(2)
-    profiler_for = _profiler_for(config)
+    profiler_for = _profiler_for(config, sp)
     traces = [job() for job in fit_jobs(profiler_for, kinds, MAX_SEQ_LEN)]
     footprint = PolicyFootprint(kinds, config, 1, traces, MAX_SEQ_LEN)
     # Blocks of one layer are read off the same lines; with several such blocks the copy buffers are not all in use
-    # and the answer is above the profile (2.5% for four blocks of 1, 1, 1 and 2 layers): checked from 2 layers up
-    lowest = 1 if len(kinds) == 2 else 2
+    # and the answer is above the profile (2.5% for four blocks of 1, 1, 1 and 2 layers; 1.2% for a rank of two
+    # with one host and one device layer, which no estimate asks about): checked from 2 layers up
+    lowest = 1 if len(kinds) == 2 and sp == 1 else 2
     for counts in [tuple(rng.randint(lowest, 6) for _ in kinds), (lowest,) * (len(kinds) - 1) + (2,)]:
         shape = PolicyShape(kinds, counts)
         seq_len = rng.choice((768, 1536, 2560))  # whole 128-row blocks of the CUDA kernel, like bucket lengths
         chunks = (rng.randint(2, 5), rng.randint(2, 4))  # the LM head chunked, as in the fit
-        direct = _profiler_for(_config(shape.layers))(shape.policy(), chunks).trace(seq_len)
+        direct = _profiler_for(_config(shape.layers), sp)(shape.policy(), chunks).trace(seq_len)
         device, host = footprint.peaks(shape, seq_len, chunks)
         assert device.total == pytest.approx(peak(direct, "device").total, rel=1e-6), (counts, seq_len, chunks)
         assert host.total == pytest.approx(peak(direct, "host").total, rel=1e-6, abs=1), (counts, seq_len, chunks)

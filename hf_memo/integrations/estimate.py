@@ -384,8 +384,9 @@ class _Job:
             self.gpu,
         )
 
-    def profiler(self, mode: str, configure: Callable[[nn.Module], None]) -> StepProfiler:
-        """A fresh-model profiler of ``mode`` whose model ``configure`` sets up (after LoRA, if asked)."""
+    def profiler(self, mode: str, configure: Callable[[nn.Module], None], sequence_parallel: int = 1) -> StepProfiler:
+        """A fresh-model profiler of ``mode`` whose model ``configure`` sets up (after LoRA, if asked); with
+        ``sequence_parallel`` ``K > 1``, of rank 0 of ``K`` under a fake process group."""
 
         def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
             if self.trainable == "lora":
@@ -403,6 +404,7 @@ class _Job:
             meta=meta,
             profile_layers=MODES[mode].profile_layers,
             fresh=True,
+            sequence_parallel=sequence_parallel,
         )
 
     def profiler_for(self, mode: str) -> Callable[[Chunks], StepProfiler]:
@@ -421,8 +423,10 @@ class _Job:
         return self.profiler("memo", memo_with_offload(fraction, chunks))
 
     def policy_profiler_for(self, policy: MemoryPolicy, chunks: Chunks) -> StepProfiler:
-        """A fresh-model profiler of the memo mode running ``policy`` with those chunk settings."""
-        return self.profiler("memo", memo_with_policy(policy, chunks))
+        """A fresh-model profiler of the memo mode running ``policy`` with those chunk settings; under sequence
+        parallelism, of one rank running hf_memo's Ulysses code (its exchanges' buffers are in the profile)."""
+        k = self.cluster.sequence_parallel
+        return self.profiler("memo", memo_with_policy(policy, chunks, k), k)
 
     def run_jobs(self, jobs: Sequence[Callable[[], AllocationTrace]]) -> list[AllocationTrace]:
         """Traces of ``jobs``, run side by side (memo's further policy profiles), on the progress bar."""
@@ -440,7 +444,8 @@ class _Job:
     def closed_form(self, mode: str, traces: Sequence[AllocationTrace]) -> FittedFootprint | MemoModel:
         """``mode``'s closed form (memo: its :class:`MemoModel`) from the results of :meth:`profile_jobs`."""
         if mode == "memo":
-            adjust = self.adjust(self.memo_profiler_for(0.0, AUTO_CHUNKS).model(MODES["memo"].profile_layers[0]))
+            model = self.memo_profiler_for(0.0, AUTO_CHUNKS).model(MODES["memo"].profile_layers[0])
+            adjust = self.adjust(model, all_to_all=False)  # memo's policies are profiled on a rank of K
             k = self.cluster.sequence_parallel
             return MemoModel(
                 self.memo_profiler_for,
@@ -463,14 +468,17 @@ class _Job:
             )
         return self._states
 
-    def adjust(self, model: nn.Module) -> Callable[[Peak, int], tuple[Peak, int]]:
-        """One rank's device peak and the host bytes of its model states, from a single-GPU peak at its tokens."""
+    def adjust(self, model: nn.Module, all_to_all: bool = True) -> Callable[[Peak, int], tuple[Peak, int]]:
+        """One rank's device peak and the host bytes of its model states, from a peak at its tokens: a single
+        GPU's (``all_to_all``: the Ulysses exchanges' bytes are added) or a rank's (they are in it)."""
         element = next(p for p in model.parameters() if p.dim() >= 2).element_size()
 
         def adjust(device: Peak, rank_seq_len: int) -> tuple[Peak, int]:
             if self.cluster.num_gpus == 1 and self.cluster.zero == 0:
                 return device, 0
-            a2a = all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element)
+            a2a = (
+                all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element) if all_to_all else 0
+            )
             return rank_peak(device, self.states(), self.cluster, a2a)
 
         return adjust

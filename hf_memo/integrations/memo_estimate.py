@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
+from transformers import PretrainedConfig
 
-from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, trace_at
+from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, chunk_rows, trace_at
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
@@ -34,10 +35,19 @@ from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import bucket_length
 
-# The alpha grid the estimator solves on: coarser than the runtime's 1/16, so that the profiles of a chosen policy cut
-# at most 4 MLP chunks (8 in the fit's second profile) and take seconds; the policy is a little slower than the
-# runtime's, its memory exact.
-ALPHA_STEPS = 4
+# The finest alpha grid the estimator solves on: coarser than the runtime's 1/16, so that the profiles of a chosen
+# policy cut at most 8 MLP chunks (16 in the fit's second profile) and take seconds; the policy is a little slower
+# than the runtime's, its memory exact.
+MAX_ALPHA_STEPS = 8
+
+
+def alpha_steps(config: PretrainedConfig, batch_size: int, seq_len: int) -> int:
+    """The solver's alpha grid at ``seq_len`` (one rank's positions): the most steps, at most ``MAX_ALPHA_STEPS``,
+    that divide the MLP chunks the runtime cuts there, so that every alpha is whole chunks and the runtime, which
+    rounds an alpha down to whole chunks, runs the policy as sized (7 chunks: sevenths, 12: sixths, 64: eighths)."""
+    rows = chunk_rows(config, "memo", batch_size, seq_len)[0] // batch_size
+    chunks = -(-seq_len // rows)
+    return max(d for d in range(1, MAX_ALPHA_STEPS + 1) if chunks % d == 0)
 
 
 @dataclass(frozen=True)
@@ -333,10 +343,11 @@ class MemoModel:
         device_room = max(budget.device - profile.base_bytes, 0.0)
         host_room = budget.stash_room(profile.state_host)
         smallest = self.memory(smallest_policy(self.layers, 2), seq_len)
+        steps = alpha_steps(self.config, self._batch_size, bucket_length(seq_len))
         for _ in range(REFINES):
             try:
                 policy = solve_policy(
-                    self.layers, profile.costs, self.gpu.host_bandwidth, device_room, host_room, ALPHA_STEPS
+                    self.layers, profile.costs, self.gpu.host_bandwidth, device_room, host_room, steps
                 )
             except PolicyDoesNotFit as error:
                 return MemoChoice(None, *smallest, str(error))

@@ -34,15 +34,15 @@ from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import stretch
 
 FIT_COUNT = 3  # layers per block in the base profiles (the copy buffers are all in use from the third)
-ALPHA_GRID = 16  # the finest alpha grid the solvers use (1/16)
+ALPHA_DENOMINATOR = 64  # alphas are fractions j / d with d at most this (the solvers' grids: 1/16 at the finest)
 
 
 def alpha_chunks(kinds: Sequence[LayerPolicy]) -> int:
     """The fewest MLP chunks (at least 2) in which every alpha of ``kinds`` is whole chunks: profiles cut this many,
-    so the executor rounds no alpha down (alphas are multiples of ``1 / ALPHA_GRID``)."""
+    so the executor rounds no alpha down (alphas are fractions ``j / d``, ``d <= ALPHA_DENOMINATOR``)."""
     lcm = 2
     for kind in kinds:
-        denominator = Fraction(round(kind.alpha * ALPHA_GRID), ALPHA_GRID).denominator
+        denominator = Fraction(kind.alpha).limit_denominator(ALPHA_DENOMINATOR).denominator
         lcm = lcm * denominator // math.gcd(lcm, denominator)
     return lcm
 

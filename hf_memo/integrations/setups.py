@@ -72,9 +72,12 @@ def _memo(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNK
     )
 
 
-def memo_with_offload(fraction: float, chunks: Chunks = AUTO_CHUNKS) -> Callable[[nn.Module], None]:
-    """Configure the memo executor with a fixed ``offload_fraction``, no host limit and the given chunk settings
-    (what the estimator's memory policy profiles: the bytes a layer stashes at ``alpha = 0`` and ``alpha = 1``)."""
+def memo_with_offload(
+    fraction: float, chunks: Chunks = AUTO_CHUNKS, sequence_parallel: int = 1
+) -> Callable[[nn.Module], None]:
+    """Configure the memo executor with a fixed ``offload_fraction``, no host limit, the given chunk settings and
+    sequence-parallel degree (what the estimator's memory policy profiles: the bytes a layer stashes at
+    ``alpha = 0`` and ``alpha = 1``)."""
 
     def configure(model: nn.Module) -> None:
         apply(
@@ -84,17 +87,21 @@ def memo_with_offload(fraction: float, chunks: Chunks = AUTO_CHUNKS) -> Callable
             host_memory_limit=UNLIMITED_HOST,
             mlp_chunks=chunks[0],
             lm_head_chunks=chunks[1],
+            sequence_parallel_size=sequence_parallel,
         )
 
     return configure
 
 
-def memo_with_policy(policy: MemoryPolicy, chunks: Chunks = AUTO_CHUNKS) -> Callable[[nn.Module], None]:
+def memo_with_policy(
+    policy: MemoryPolicy, chunks: Chunks = AUTO_CHUNKS, sequence_parallel: int = 1
+) -> Callable[[nn.Module], None]:
     """Configure the memo executor to run ``policy`` (one :class:`~hf_memo.planner.policy.LayerPolicy` per decoder
-    layer) with no host limit and the given chunk settings: what the estimator profiles to size a policy."""
+    layer) with no host limit, the given chunk settings and sequence-parallel degree: what the estimator profiles
+    to size a policy."""
 
     def configure(model: nn.Module) -> None:
-        memo_with_offload(0.0, chunks)(model)
+        memo_with_offload(0.0, chunks, sequence_parallel)(model)
         memo_runtime(model).assume_policy(policy)
 
     return configure

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.extrapolate import extrapolated_peak
 from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
+from hf_memo.profiler.fake_world import fake_world
 from hf_memo.profiler.kernel_workspace import KernelTarget
 from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
@@ -66,6 +67,9 @@ class StepProfiler:
             longer step).
         kernels: the device the profiles are for (see :func:`~hf_memo.profiler.step.trace_training_step`): by
             default an H100/H200 with flash-attn, whose attention workspace the CPU kernel's profile lacks.
+        sequence_parallel: ranks ``K`` one sequence is split over: every profile is rank 0's under a fake process
+            group of ``K`` ranks (``prepare`` sets up the sequence parallelism), and a length is the rank's
+            positions (``S / K``): the step traced is of ``K`` times as many.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class StepProfiler:
         profile_layers: tuple[int, int] = PROFILE_LAYERS,
         fresh: bool = False,
         kernels: str | KernelTarget = "cuda",
+        sequence_parallel: int = 1,
     ) -> None:
         self.config = config
         self.profile_layers = profile_layers
@@ -92,6 +97,7 @@ class StepProfiler:
         self._meta = meta or {}
         self._fresh = fresh
         self._kernels = kernels
+        self.sequence_parallel = sequence_parallel
         self._models: dict[int, tuple[nn.Module, FakeSession]] = {}
 
     def model(self, layers: int) -> nn.Module:
@@ -100,6 +106,13 @@ class StepProfiler:
 
     def _model(self, layers: int) -> tuple[nn.Module, FakeSession]:
         if layers not in self._models:
+            with fake_world(self.sequence_parallel):
+                self._build(layers)
+        return self._models[layers]
+
+    def _build(self, layers: int) -> tuple[nn.Module, FakeSession]:
+        """The prepared model of ``layers`` (built here, in this process's process group, if not built yet)."""
+        if layers not in self._models:
             model, session = fake_causal_lm(with_layers(self.config, layers), self._dtype)
             with session:
                 model = self._prepare(model, session)
@@ -107,15 +120,21 @@ class StepProfiler:
         return self._models[layers]
 
     def trace(self, seq_len: int, layers: int | None = None) -> AllocationTrace:
-        """The allocation trace of one step on ``(batch_size, seq_len)`` tokens, with ``layers`` (default all)."""
+        """The allocation trace of one step on ``(batch_size, seq_len)`` tokens (each rank's), with ``layers``
+        (default all)."""
         layers = self.layers if layers is None else layers
-        if self._fresh:
-            self._models.pop(layers, None)
-        model, session = self._model(layers)
-        if self._fresh:
-            del self._models[layers]
-        with session:
-            trace = trace_training_step(model, self._batch_size, seq_len, self._optimizer, self._meta, self._kernels)
+        k = self.sequence_parallel
+        fresh = self._fresh or k > 1  # a model is bound to the (fake) process group it was prepared in
+        with fake_world(k):
+            if fresh:
+                self._models.pop(layers, None)
+            model, session = self._build(layers)
+            if fresh:
+                del self._models[layers]
+            with session:
+                trace = trace_training_step(
+                    model, self._batch_size, k * seq_len, self._optimizer, self._meta, self._kernels
+                )
         if self._on_profile is not None:
             self._on_profile(layers, seq_len)
         return trace
