@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_memo.data import LONGALPACA_TOKENIZER
+
 from common import add_out_option, results_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +74,7 @@ def recipe_flags(size: str, config: Path, fraction: float | None, output_dir: Pa
     """The recipe's command-line flags for one run (``fraction`` ``None``: plain HF)."""
     shape = SIZES[size]
     flags = [
-        "--model_config", str(config), "--tokenizer", str(RECIPE / "sample_tokenizer"),
+        "--model_config", str(config), "--tokenizer", str(LONGALPACA_TOKENIZER),
         "--max_seq_len", str(shape.seq_len), "--rope_type", "none", "--lora", "False", "--dtype", "float32",
         "--max_steps", str(shape.steps), "--per_device_train_batch_size", "1",
         "--learning_rate", str(shape.learning_rate),

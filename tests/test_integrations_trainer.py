@@ -350,7 +350,7 @@ def test_a_device_budget_trains_the_solved_policy_as_plain_training(tmp_path, mo
     model = build_model("llama", num_hidden_layers=4)
     gradients = sum(p.numel() * p.element_size() for p in model.parameters())  # kept out of the budget
     limit = 5 * layer_input + gradients
-    config = MEMO.replace(offload_fraction="auto", layer_time=1e-3, host_bandwidth=1e9, device_memory_limit=limit)
+    config = MEMO.replace(offload_fraction="auto", layer_time=1e-3, host_bandwidth=1e9, device_memory_limit=f"{limit}B")
     memo = make_trainer(tmp_path / "memo", model, callbacks=[MemoCallback(config, progress=False)], steps=3)
     memo.train()
     plain = make_trainer(tmp_path / "plain", steps=3)

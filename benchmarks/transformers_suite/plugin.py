@@ -70,7 +70,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def memo_config(mode: str, chunks: int, offload_fraction: float) -> MemoConfig:
     """The config the tests' models are patched with for ``mode`` (one of the recompute modes)."""
-    return MemoConfig(recompute=mode, mlp_chunks=chunks, lm_head_chunks=chunks, offload_fraction=offload_fraction)
+    memo_only = {"offload_fraction": offload_fraction} if mode == "memo" else {}  # an error in any other mode
+    return MemoConfig(recompute=mode, mlp_chunks=chunks, lm_head_chunks=chunks, **memo_only)
 
 
 def install(mode: str, level: str, chunks: int, offload_fraction: float) -> None:

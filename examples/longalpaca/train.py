@@ -134,7 +134,7 @@ def memo_config(recipe: RecipeArguments) -> MemoConfig:
         recompute=recipe.recompute,
         offload_fraction=fraction,
         host_memory_limit=recipe.host_memory_limit,
-        planner=recipe.planner,
+        planner=recipe.planner if recipe.recompute == "memo" else "off",  # the planner plans memo's buffers only
         sequence_parallel_size=recipe.sequence_parallel_size,
     )
 
