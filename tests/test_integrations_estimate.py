@@ -63,6 +63,19 @@ def test_memo_fits_some_policy_up_to_its_longest_sequence_and_none_past_it(confi
             assert at["memo"].policy.startswith("none fits: no memory policy fits") and at["memo"].mfu is None
 
 
+def test_memo_answers_with_a_policy_where_little_host_memory_may_be_pinned(config_path):
+    """With little pinned memory the solver's cost model (whose device room is that of two device layers) finds no
+    policy at the longest length, which a policy with more layers on the device fits: that is the answer there."""
+    budget = {"gpu_memory": 24 * MiB, "host_memory": 64 * MiB, "pinned_memory": 2 * MiB, "progress": False}
+    longest = estimate(config_path, 4096, modes=["memo"], **budget).modes["memo"].longest_seq_len
+    for seq_len, fits in ((longest, True), (longest + 256, False)):
+        memo = estimate(config_path, seq_len, modes=["memo"], search=False, **budget).modes["memo"]
+        assert memo.fits == fits, (seq_len, memo.policy)
+        if fits:
+            assert memo.footprint.device.total <= 24 * MiB and memo.step_seconds > 0
+            assert memo.footprint.host.total <= 2 * MiB  # the stashes are pinned
+
+
 def test_models_configs_and_lora_are_accepted():
     config = CONFIGS["gpt2"](2)
     model = GPT2LMHeadModel(config)

@@ -28,7 +28,7 @@ from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, chunk_rows, tr
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
-from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, solve_policy
+from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
@@ -350,7 +350,7 @@ class MemoModel:
                     self.layers, profile.costs, self.gpu.host_bandwidth, device_room, host_room, steps
                 )
             except PolicyDoesNotFit as error:
-                return MemoChoice(None, *smallest, str(error))
+                return self._smallest_fitting(seq_len, budget, profile) or MemoChoice(None, *smallest, str(error))
             device, host = self.memory(policy, seq_len)
             shares = self._usage(budget, device, host, profile.state_host)
             if max(shares.values()) <= 1:
@@ -364,11 +364,20 @@ class MemoModel:
             host_room -= host_over + (1.0 if host_over > 0 else 0.0)
             if device_room < 0 or host_room < 0:
                 break
-        return MemoChoice(
-            None,
-            *smallest,
-            "no policy the solver finds fits once profiled (the budgets are too small for its working set)",
-        )
+        return self._smallest_fitting(seq_len, budget, profile) or MemoChoice(None, *smallest, NO_FIT_ONCE_PROFILED)
+
+    def _smallest_fitting(self, seq_len: int, budget: Budget, profile: MemoProfile) -> MemoChoice | None:
+        """The fastest of the smallest policies (``X`` only, alpha 0) whose own profile fits, when the solver's cost
+        model found none (its room is the two-device-layer policy's; more layers on the device take less pinned
+        memory): what the search for the longest length counts as fitting. ``None`` if none fits."""
+        for on_device in range(self.layers - 1, min(2, self.layers - 1) - 1, -1):  # fewest copies first
+            shape = smallest_policy(self.layers, on_device)
+            device, host = self.memory(shape, seq_len)
+            if max(self._usage(budget, device, host, profile.state_host).values()) <= 1:
+                layers = shape.policy().layers
+                seconds = policy_seconds(layers, profile.costs, self.gpu.host_bandwidth)
+                return MemoChoice(MemoryPolicy(layers, seconds), device, host)
+        return None
 
 
 def step_seconds(
