@@ -218,9 +218,9 @@ class Estimate:
         )
         if per_rank:
             lines.append(
-                "Per GPU: one rank's activations at S / K tokens plus its Ulysses all-to-all buffers (an upper bound: "
-                "they are added at the peak), its ZeRO share of parameters, gradients and optimizer state; host "
-                "memory is the node's, shared by its GPUs."
+                "Per GPU: one rank's activations at S / K tokens with its Ulysses all-to-all buffers (memo: profiled "
+                "on one rank under a fake process group; other modes: an upper bound added at the peak), its ZeRO "
+                "share of parameters, gradients and optimizer state; host memory is the node's, shared by its GPUs."
             )
         lines += [f"memo policy: {self.modes[n].policy}" for n in names if self.modes[n].policy]
         return "\n".join(lines)
