@@ -608,7 +608,7 @@ def main() -> None:
     parser.add_argument("--mip-limit", type=float, default=None, help="seconds for the MIP (0 skips it)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per CP-SAT problem")
     parser.add_argument("--workers", type=int, default=1, help="CP-SAT threads")
-    parser.add_argument("--alignment", default="512", help="bytes sizes are rounded up to (default 512), e.g. 1MiB")
+    parser.add_argument("--alignment", default="512B", help="bytes sizes are rounded up to (default 512), e.g. 1MiB")
     parser.add_argument("--save-traces", type=Path, default=None, help="also write the synthetic/profiled traces here")
     add_out_option(parser)
     args = parser.parse_args()

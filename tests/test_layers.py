@@ -1,6 +1,7 @@
 """The package's imports point one way, as the README's layer picture says, and no module imports itself back.
 
-integrations -> patches -> parallel -> runtime / minseq -> planner / profiler -> config / units. Every import in a
+__main__ -> integrations -> patches -> parallel -> runtime / minseq -> planner / profiler -> config / units / data.
+Every import in a
 module counts, also one inside a function (a call-time import is still a dependency). The package's own
 ``__init__`` (the public surface) may import anything; nothing inside the package imports it.
 """
@@ -16,6 +17,7 @@ PACKAGE = Path(hf_memo.__file__).parent
 LAYERS = {
     "config": 0,
     "units": 0,
+    "data": 0,  # the packaged sample data's paths
     "planner": 1,
     "profiler": 1,
     "runtime": 2,
@@ -23,6 +25,7 @@ LAYERS = {
     "parallel": 3,
     "patches": 4,
     "integrations": 5,
+    "__main__": 6,  # python -m hf_memo: the command line
 }
 
 

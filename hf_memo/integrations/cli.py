@@ -13,9 +13,8 @@ import difflib
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-
-from hf_memo import __version__
 
 SUBCOMMANDS = {  # name -> (module, one-line help)
     "demo": (
@@ -72,10 +71,18 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
+def installed_version() -> str:
+    """The installed distribution's version (its metadata: the package root is not imported from below it)."""
+    try:
+        return version("hf-memo")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; ``command``'s arguments are added (its module imported) if it names a subcommand."""
     parser = Parser(prog="hf-memo", description="Long-context training for Hugging Face Transformers.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)
