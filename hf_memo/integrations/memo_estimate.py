@@ -219,11 +219,11 @@ class MemoModel:
             raise ValueError("MemoModel needs policy_profiler_for: policies are sized from their own profiles")
         if traces is None:
             traces = run_jobs(self.jobs(profiler_for, policy_profiler_for, max_seq_len))
-        plan = ProfilePlan.of(profiler_for(0.0, BASE_CHUNKS), "memo", max_seq_len)
+        base = profiler_for(0.0, BASE_CHUNKS)
+        plan = ProfilePlan.of(base, "memo", max_seq_len)
         if len(traces) != 2 + len(fit_points(SMALLEST_KINDS, max_seq_len)):
             raise ValueError(f"MemoModel.jobs gives 2 + the smallest policies' profiles, got {len(traces)} traces")
         alpha_zero, alpha_one, *smallest_traces = traces
-        base = profiler_for(0.0, BASE_CHUNKS)
         self.config, self.layers = base.config, base.layers
         if self.layers < 3:
             raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
