@@ -1,13 +1,15 @@
 """Randomized configurations of a patched training step against the unpatched model (fp64).
 
-Each seed draws a family, a recompute mode (memo with a fixed offload fraction or a random per-layer policy),
-chunk counts that need not divide the sequence, a batch layout (plain, left or right padding with or without
-targets on the padding, packed samples), masked labels, LoRA or full fine-tuning, and a step pattern: one to
-three graphs alive at once, differentiated in a random order, the first maybe twice (``retain_graph=True``),
-accumulated with ``num_items_in_batch``. Loss and every gradient must equal the unpatched model's.
+Each seed draws a family (one of the five in ``tests.conftest``, or a model of ``tests/model_catalog.py``:
+mixtures of experts, sliding windows, soft-capping, sinks, ...), a recompute mode (memo with a fixed offload
+fraction or a random per-layer policy), chunk counts that need not divide the sequence, a batch layout (plain,
+left or right padding with or without targets on the padding, packed samples), masked labels, LoRA or full
+fine-tuning, and a step pattern: one to three graphs alive at once, differentiated in a random order, the first
+maybe twice (``retain_graph=True``), accumulated with ``num_items_in_batch``. Loss and every gradient must equal
+the unpatched model's.
 
-The suite runs a fixed set of seeds (``tests/test_patches_randomized.py``); a longer search runs from the
-command line: ``python -m tests.randomized --count 500 --first 1000``.
+The suite runs a fixed set of seeds of each (``tests/test_patches_randomized.py``); a longer search runs from the
+command line: ``python -m tests.randomized --count 500 --first 1000 [--catalog]``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import copy
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +26,11 @@ import torch
 import hf_memo
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from tests.conftest import FAMILIES, VOCAB, build_model
+from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_SOFTMAX_TOLERANCE, WINDOW, build_catalog_model
 
 MODES = ("none", "full", "selective", "memo", "memo-policy")
+LAYOUTS = ("plain", "left", "right", "right-targets", "packed")
+LORA_TARGETS = ["q_proj", "v_proj", "qkv_proj", "up_proj", "gate_up_proj", "c_fc"]  # those a catalog model has
 
 
 @dataclass(frozen=True)
@@ -48,15 +54,27 @@ class Case:
     retain: bool
 
 
-def draw(seed: int) -> Case:
-    """The configuration of ``seed``."""
+def _fp32_softmax(family: str) -> bool:
+    """Whether ``family`` is a catalog model whose eager attention rounds its softmax through fp32: in fp64 a
+    query row with only padding to attend becomes NaN there (the ``-finfo.max`` mask turns ``-inf``)."""
+    return family in CATALOG and CATALOG[family].fp32_softmax
+
+
+def draw(seed: int, families: Sequence[str] = FAMILIES) -> Case:
+    """The configuration of ``seed``, its family one of ``families`` (names of ``tests.conftest.FAMILIES`` or of
+    the catalog)."""
     rng = random.Random(seed)
     layers = rng.randint(1, 3)
-    layout = rng.choice(("plain", "left", "right", "right-targets", "packed"))
+    layout = rng.choice(LAYOUTS)
     graphs = rng.choice((1, 1, 2, 3))
+    family = rng.choice(families)
+    if family in CATALOG:
+        layers = CATALOG[family].layers  # a catalog model has its own layer pattern
+    if layout == "left" and _fp32_softmax(family):
+        layout = "right"  # a left-padded row's first queries attend only padding
     return Case(
         seed=seed,
-        family=rng.choice(FAMILIES),
+        family=family,
         mode=rng.choice(MODES),
         layers=layers,
         mlp_chunks=rng.randint(1, 5),
@@ -91,8 +109,10 @@ def _batch(case: Case, index: int) -> dict:
         inputs["position_ids"] = positions
     elif case.layout != "plain":
         mask = torch.ones_like(ids)
+        # where a right-padded row's last window could hold only padding, less padding than the window
+        most = min(length - 2, WINDOW - 1) if _fp32_softmax(case.family) else length - 2
         for row in range(batch):
-            pad = int(torch.randint(0, length - 2, (), generator=gen))
+            pad = int(torch.randint(0, most, (), generator=gen))
             if case.layout == "left":
                 mask[row, :pad] = 0
             else:
@@ -113,12 +133,15 @@ def _batch(case: Case, index: int) -> dict:
 
 
 def _models(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
-    layers = {"n_layer": case.layers} if case.family == "gpt2" else {"num_hidden_layers": case.layers}
-    reference = build_model(case.family, seed=case.seed, **layers)
+    if case.family in CATALOG:
+        reference = build_catalog_model(case.family, seed=case.seed)
+    else:
+        layers = {"n_layer": case.layers} if case.family == "gpt2" else {"num_hidden_layers": case.layers}
+        reference = build_model(case.family, seed=case.seed, **layers)
     if case.lora:
         from peft import LoraConfig, get_peft_model
 
-        targets = ["c_attn", "c_fc"] if case.family == "gpt2" else ["q_proj", "v_proj", "up_proj"]
+        targets = {"gpt2": ["c_attn", "c_fc"]}.get(case.family, LORA_TARGETS)
         torch.manual_seed(case.seed)
         reference = get_peft_model(reference, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     model = copy.deepcopy(reference)
@@ -169,18 +192,25 @@ TOLERANCE = 1e-8  # relative to each gradient's largest element, fp64
 GRADIENT_FLOOR = 1e-6  # a gradient whose largest element is below this is compared absolutely (rounding noise)
 
 
+def tolerance(case: Case) -> float:
+    """The largest difference :func:`run` may return for ``case``: fp32 rounding where the reference's softmax
+    is rounded through fp32 and memo computes attention with its own fp64 core."""
+    return FP32_SOFTMAX_TOLERANCE if _fp32_softmax(case.family) and case.mode.startswith("memo") else TOLERANCE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--catalog", action="store_true", help="draw the models of tests/model_catalog.py")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     failures = 0
     for seed in range(args.first, args.first + args.count):
-        case = draw(seed)
+        case = draw(seed, CATALOG_NAMES if args.catalog else FAMILIES)
         try:
             worst = run(case)
-            status = "ok" if worst <= TOLERANCE else f"WRONG {worst:.2e}"
+            status = "ok" if worst <= tolerance(case) else f"WRONG {worst:.2e}"
         except ValueError as error:  # a clear refusal is an answer, not a wrong gradient
             status = f"refused: {str(error).splitlines()[0][:100]}"
             worst = 0.0
@@ -191,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 (the search reports every other failure)
             status = f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:100]}"
             worst = float("inf")
-        failures += worst > TOLERANCE
+        failures += worst > tolerance(case)
         print(f"{status:12.100}  {case}", flush=True)
     print(f"{failures} of {args.count} wrong or crashed")
     return 1 if failures else 0

@@ -1,22 +1,33 @@
 """A fixed sample of the randomized search (``tests/randomized.py``): drawn configurations of families, modes,
 chunk counts, batch layouts, LoRA, live graphs and retained graphs, each against the unpatched model (fp64).
 
-120 seeds in the suite; ``python -m tests.randomized --count N --first SEED`` searches further. Before the live-graph
-and retain_graph fixes, 12 of these 120 seeds gave wrong gradients or crashed.
+120 seeds of the five original families and 40 of the catalog's models (``tests/model_catalog.py``) in the suite;
+``python -m tests.randomized --count N --first SEED [--catalog]`` searches further. Before the live-graph and
+retain_graph fixes, 12 of the 120 seeds gave wrong gradients or crashed.
 """
 
 import pytest
 
-from tests.randomized import TOLERANCE, draw, run
+from tests.model_catalog import CATALOG_NAMES
+from tests.randomized import Case, draw, run, tolerance
 
 SEEDS = range(120)
+CATALOG_SEEDS = range(1000, 1040)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_drawn_configuration_trains_like_the_unpatched_model(seed):
-    case = draw(seed)
+def _check(case: Case) -> None:
     if case.mode == "selective" and case.retain:
         with pytest.raises(RuntimeError, match="backward an extra time"):  # PyTorch's own message: acceptable
             run(case)
         return
-    assert run(case) <= TOLERANCE, case
+    assert run(case) <= tolerance(case), case
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_drawn_configuration_trains_like_the_unpatched_model(seed):
+    _check(draw(seed))
+
+
+@pytest.mark.parametrize("seed", CATALOG_SEEDS)
+def test_a_drawn_catalog_configuration_trains_like_the_unpatched_model(seed):
+    _check(draw(seed, CATALOG_NAMES))

@@ -1,0 +1,182 @@
+"""The exactness matrix: every catalog model (``tests/model_catalog.py``) under every recompute mode trains
+exactly like the unpatched model (fp64).
+
+One step per cell: batch 2 of 29 tokens (windows of 8 really cut them), ~30% of the labels -100, a 2-D
+``attention_mask`` padding one row, ``mlp_chunks = lm_head_chunks = 3`` (they do not divide 29). Loss, the
+router ``aux_loss`` of mixture-of-experts models, and every parameter gradient must equal the unpatched
+model's. Also: gradient accumulation over two micro-batches, and patching Llama after its modeling module is
+reloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+import hf_memo
+from tests.conftest import ROOT, assert_same_grads, make_batch, run_command
+from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_SOFTMAX_TOLERANCE, WINDOW, build_catalog_model
+
+SEQ = 29
+CHUNKS = 3
+MODES: dict[str, dict[str, Any]] = {
+    "none": {"recompute": "none"},
+    "full": {"recompute": "full"},
+    "selective": {"recompute": "selective"},
+    "memo-0.5": {"recompute": "memo", "offload_fraction": 0.5},
+    "memo-1.0": {"recompute": "memo", "offload_fraction": 1.0},
+}
+
+
+def _inputs(name: str, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Batch 2 of ``SEQ`` tokens, row 1 padded.
+
+    Most get 11 padding tokens on the left. Models whose eager attention rounds its softmax through fp32 get
+    fewer than ``WINDOW`` on the right: there a fully masked query row becomes NaN in fp64 (the ``-finfo.max``
+    mask turns ``-inf`` in fp32), which a left-padded row, or a right-padded one whose last window holds only
+    padding, would have.
+    """
+    ids, labels = make_batch(2, SEQ, seed=seed)
+    mask = torch.ones_like(ids)
+    if CATALOG[name].fp32_softmax:
+        mask[1, SEQ - (WINDOW - 3) :] = 0
+    else:
+        mask[1, :11] = 0
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@functools.cache
+def _reference(name: str) -> tuple[PreTrainedModel, dict[str, torch.Tensor], Any, PreTrainedModel]:
+    """``(pristine model, inputs, output, trained reference)`` of catalog entry ``name``, built once per worker:
+    the reference ran one unpatched step on the inputs."""
+    pristine = build_catalog_model(name)
+    inputs = _inputs(name)
+    reference = copy.deepcopy(pristine)
+    out = reference(**inputs, use_cache=False)
+    out.loss.backward()
+    return pristine, inputs, out, reference
+
+
+def assert_grads_within_fp32_rounding(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """Every gradient within ``FP32_SOFTMAX_TOLERANCE`` of the largest element of the reference's."""
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        ref = ref_params[name].grad
+        assert (param.grad is None) == (ref is None), f"{name}: gradient present in only one model"
+        if ref is not None:
+            bound = FP32_SOFTMAX_TOLERANCE * float(ref.abs().max())
+            torch.testing.assert_close(param.grad, ref, rtol=0, atol=bound, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _loose(name: str, mode: str) -> bool:
+    """Whether the cell compares within fp32 rounding: an fp32-softmax reference against memo's attention."""
+    return CATALOG[name].fp32_softmax and MODES[mode]["recompute"] == "memo"
+
+
+def assert_same_outputs(name: str, mode: str, out: Any, want: Any) -> None:
+    """The patched model's loss (and router ``aux_loss``) equals the unpatched model's."""
+    rtol, atol = (FP32_SOFTMAX_TOLERANCE, 0.0) if _loose(name, mode) else (1e-9, 1e-12)
+    torch.testing.assert_close(out.loss.detach(), want.loss.detach(), rtol=rtol, atol=atol)
+    if CATALOG[name].moe:
+        assert out.aux_loss is not None, "the patched model lost the router aux_loss"
+        torch.testing.assert_close(out.aux_loss.detach(), want.aux_loss.detach(), rtol=rtol, atol=atol)
+
+
+def assert_grads_match(name: str, mode: str, model: PreTrainedModel, reference: PreTrainedModel) -> None:
+    """Every gradient of the patched model equals the unpatched model's."""
+    if _loose(name, mode):
+        assert_grads_within_fp32_rounding(model, reference)
+    else:
+        assert_same_grads(model, reference)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", CATALOG_NAMES)
+def test_patched_catalog_model_trains_like_the_unpatched_one(name, mode):
+    pristine, inputs, want, reference = _reference(name)
+    model = hf_memo.apply(copy.deepcopy(pristine), mlp_chunks=CHUNKS, lm_head_chunks=CHUNKS, **MODES[mode])
+    out = model(**inputs, use_cache=False)
+    out.loss.backward()
+    assert_same_outputs(name, mode, out, want)
+    assert_grads_match(name, mode, model, reference)
+
+
+@pytest.mark.parametrize(("name", "mode"), [("gemma2", "memo-0.5"), ("qwen3_moe-mixed", "memo-1.0"),
+                                            ("gpt_oss", "selective"), ("cohere2", "memo-0.5")])  # fmt: skip
+def test_gradient_accumulation_over_two_micro_batches(name, mode):
+    """Two micro-batches of different lengths, each loss over the step's token count (``num_items_in_batch``)."""
+    reference = build_catalog_model(name)
+    model = hf_memo.apply(copy.deepcopy(reference), mlp_chunks=CHUNKS, lm_head_chunks=CHUNKS, **MODES[mode])
+    batches = [_inputs(name, seed=2), _inputs(name, seed=3)]
+    batches[1] = {key: value[:, 3:] for key, value in batches[1].items()}  # 26 tokens, still padded
+    items = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+    for batch in batches:
+        out = model(**batch, num_items_in_batch=items, use_cache=False)
+        out.loss.backward()
+        want = reference(**batch, num_items_in_batch=items, use_cache=False)
+        want.loss.backward()
+        assert_same_outputs(name, mode, out, want)
+    assert_grads_match(name, mode, model, reference)
+
+
+def test_fp32_softmax_tolerance_is_needed():
+    """The loosened tolerance is what transformers' own eager and SDPA attention differ by, not more: eager
+    Mistral differs from SDPA Mistral beyond the tight tolerance and within ``FP32_SOFTMAX_TOLERANCE``."""
+    _, inputs, _, eager = _reference("mistral-window-eager")
+    sdpa = build_catalog_model("mistral-window")
+    sdpa(**inputs, use_cache=False).loss.backward()
+    with pytest.raises(AssertionError):
+        assert_same_grads(sdpa, eager)
+    assert_grads_within_fp32_rounding(sdpa, eager)
+
+
+RELOADED_LLAMA = """
+import copy, importlib
+import torch
+import transformers.models.llama.modeling_llama as modeling_llama
+import hf_memo
+from hf_memo.config import MemoConfig
+from tests.conftest import assert_same_grads, make_batch
+from tests.model_catalog import build_catalog_model
+
+
+def step(model):
+    ids, labels = make_batch(2, 29)
+    model(input_ids=ids, labels=labels).loss.backward()
+    return model
+
+
+def check(model, config):  # patched with config (hf_memo's forward runs) and exact
+    assert hf_memo.applied_config(model) == config and "forward" in vars(model), f"not patched: {type(model)}"
+    assert_same_grads(step(model), step(hf_memo.revert(copy.deepcopy(model))))
+
+
+before = build_catalog_model("llama")  # hf_memo patches a model of the original class first
+check(hf_memo.apply(before, mlp_chunks=3), MemoConfig(mlp_chunks=3))
+importlib.reload(modeling_llama)
+config = before.config
+assert modeling_llama.LlamaForCausalLM is not type(before)
+
+torch.manual_seed(0)
+memo = MemoConfig(recompute="memo", mlp_chunks=3, lm_head_chunks=3)
+check(hf_memo.apply(modeling_llama.LlamaForCausalLM(config).double(), memo), memo)
+
+selective = MemoConfig(recompute="selective", mlp_chunks=3)
+hf_memo.patches.apply_hf_memo_to_llama(selective)
+check(modeling_llama.LlamaForCausalLM(config).double(), selective)
+"""
+
+
+def test_llama_is_patched_after_its_modeling_module_is_reloaded():
+    """``importlib.reload`` (IPython's autoreload) makes new Llama classes: ``hf_memo.apply`` patches a model of
+    the new class and the class-level installer patches the new class's models. In its own process, so the
+    reload does not change the classes other tests use."""
+    run_command([sys.executable, "-c", RELOADED_LLAMA], env={**os.environ, "PYTHONPATH": str(ROOT)})
