@@ -29,6 +29,7 @@ from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.runtime.attention_core import LocalAttention
+from hf_memo.runtime.attention_traits import AttentionTraits
 
 GiB = 2**30
 P = 8_000_000_000  # a Llama-3-8B-sized model: 32 layers of 218M, embedding and LM head of 525M elements
@@ -157,9 +158,10 @@ def _sequence_major(batch, seq_len, heads, head_dim):
 def _core_peaks(core, batch, heads, kv_heads, seq_len, head_dim):
     q, out, grad = (_sequence_major(batch, seq_len, heads, head_dim) for _ in range(3))
     k, v = (_sequence_major(batch, seq_len, kv_heads, head_dim) for _ in range(2))
-    forward = _extra_peak(lambda: core.forward(q, k, v, 0.25), q, k, v)
-    _, stats = core.forward(q, k, v, 0.25)
-    backward = _extra_peak(lambda: core.backward(grad, q, k, v, out, stats, 0.25), grad, q, k, v, out, stats.lse)
+    traits = AttentionTraits(0.25)
+    forward = _extra_peak(lambda: core.forward(q, k, v, traits), q, k, v)
+    _, stats = core.forward(q, k, v, traits)
+    backward = _extra_peak(lambda: core.backward(grad, q, k, v, out, stats, traits), grad, q, k, v, out, stats.lse)
     return forward, backward
 
 

@@ -6,6 +6,7 @@ import torch
 from hf_memo.parallel import collectives
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.runtime.attention_core import expand_kv
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.dropout_attention import keep_mask
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM, SCALE, P = 2, 4, 2, 12, 8, 0.3, 0.25
@@ -17,8 +18,10 @@ def test_dropout_reaches_the_core_and_its_mask_is_replayed(monkeypatch):
     q, upstream = (torch.randn(BATCH, HEADS, SEQ, DIM, dtype=torch.float64, generator=gen) for _ in range(2))
     k, v = (torch.randn(BATCH, KV_HEADS, SEQ, DIM, dtype=torch.float64, generator=gen) for _ in range(2))
     core = UlyssesAttention(group=None, size=1)
-    out, stats = core.forward(q, k, v, SCALE, P)
-    grads = core.backward(upstream, q, k, v, out, stats, SCALE)
+    traits = AttentionTraits(SCALE, P)
+    out, stats = core.forward(q, k, v, traits)
+    *grads, dsinks = core.backward(upstream, q, k, v, out, stats, traits)
+    assert dsinks is None
     assert stats.dropout_p == P
     keep = keep_mask(stats.extra[0], P, BATCH, HEADS, SEQ, (0, SEQ), SEQ, q.device)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]

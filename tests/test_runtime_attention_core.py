@@ -3,17 +3,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memo.runtime import flash_attn_package
+from hf_memo.runtime import attention_core, flash_attn_package
 from hf_memo.runtime.attention_core import (
     attention_backward,
     attention_forward,
     backend_for,
     expand_kv,
+    kernel_window,
     needs_kv_expansion,
     reduce_kv,
     select_backend,
 )
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.dropout_attention import keep_mask
+from tests.torch_flash_stand_in import TorchFlashOnCpu
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
@@ -27,10 +30,13 @@ def test_forward_and_backward_equal_autograd_through_sdpa(heads, kv_heads, seq):
     ref = F.scaled_dot_product_attention(q, expand_kv(k, groups), expand_kv(v, groups), is_causal=True, scale=0.3)
     upstream = torch.randn_like(ref)
     ref.backward(upstream)
-    out, stats = attention_forward(q.detach(), k.detach(), v.detach(), 0.3)
+    out, stats = attention_forward(q.detach(), k.detach(), v.detach(), AttentionTraits(0.3))
     assert not out.requires_grad and stats.lse.shape == (2, heads, seq)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
-    dq, dk, dv = attention_backward(upstream, q.detach(), k.detach(), v.detach(), out, stats, 0.3)
+    dq, dk, dv, dsinks = attention_backward(
+        upstream, q.detach(), k.detach(), v.detach(), out, stats, AttentionTraits(0.3)
+    )
+    assert dsinks is None
     assert dk.shape == k.shape and dv.shape == v.shape
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -46,9 +52,9 @@ def test_expand_and_reduce_kv_are_adjoint():
 
 
 def test_cpu_backend_is_the_cpu_flash_kernel():
-    assert backend_for(torch.empty(1, 1, 1, 1)) == "cpu-flash"
+    assert backend_for(torch.empty(1, 1, 1, 1), AttentionTraits(1.0)) == "cpu-flash"
     with pytest.raises(ValueError, match="supports cpu and cuda"):
-        backend_for(torch.empty(1, 1, 1, 1, device="meta"))
+        backend_for(torch.empty(1, 1, 1, 1, device="meta"), AttentionTraits(1.0))
 
 
 class _KernelArgs(TorchDispatchMode):
@@ -74,8 +80,8 @@ def test_grouped_kv_reach_the_cpu_kernels_unexpanded_and_gradients_stay_exact(dr
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     with _KernelArgs(flash, flash_backward) as recorded:
-        out, stats = attention_forward(q, k, v, 0.3, dropout_p)
-        dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.3)
+        out, stats = attention_forward(q, k, v, AttentionTraits(0.3, dropout_p))
+        dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, AttentionTraits(0.3, dropout_p))
     if dropout_p == 0:
         assert recorded.calls[flash] == [[q.shape, k.shape, v.shape]]
         assert recorded.calls[flash_backward][0][2:4] == [k.shape, v.shape]
@@ -98,24 +104,25 @@ def test_grouped_kv_reach_the_cpu_kernels_unexpanded_and_gradients_stay_exact(dr
 def test_output_is_laid_out_like_the_queries(dropout_p):
     """From q/k/v views of (B, S, h, D) memory the output comes back the same way: its rows are a view."""
     q, k, v = (torch.randn(2, 9, 4, 8).transpose(1, 2) for _ in range(3))
-    out, _ = attention_forward(q, k, v, 0.3, dropout_p)
+    out, _ = attention_forward(q, k, v, AttentionTraits(0.3, dropout_p))
     assert out.shape == (2, 4, 9, 8) and out.transpose(1, 2).is_contiguous()
 
 
 def test_dropout_masks_follow_the_cpu_generator():
     q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64) for _ in range(3))
     torch.manual_seed(5)
-    first, _ = attention_forward(q, k, v, 0.3, 0.5)
-    second, _ = attention_forward(q, k, v, 0.3, 0.5)
+    traits = AttentionTraits(0.3, 0.5)
+    first, _ = attention_forward(q, k, v, traits)
+    second, _ = attention_forward(q, k, v, traits)
     torch.manual_seed(5)
-    again, _ = attention_forward(q, k, v, 0.3, 0.5)
+    again, _ = attention_forward(q, k, v, traits)
     assert torch.equal(first, again) and not torch.equal(first, second)
 
 
 def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
     monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: None)
     assert select_backend("cpu", torch.float32, 64) == "cpu-flash"
-    assert select_backend("cpu", torch.bfloat16, 64, dropout_p=0.1) == "cpu-dropout"
+    assert select_backend("cpu", torch.bfloat16, 64, dropout_p=0.1) == "explicit"
     assert select_backend("cuda", torch.bfloat16, 128, capability=(9, 0)) == "cuda-flash"
     assert select_backend("cuda", torch.float16, 64, dropout_p=0.1, capability=(8, 0)) == "cuda-flash"
     assert select_backend("cuda", torch.float32, 128, capability=(9, 0)) == "cuda-efficient"
@@ -125,7 +132,7 @@ def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
     monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: object())
     assert select_backend("cuda", torch.bfloat16, 128, capability=(9, 0)) == "flash-attn"
     assert select_backend("cuda", torch.float32, 128, capability=(9, 0)) == "cuda-efficient"
-    assert [needs_kv_expansion(b) for b in ("cpu-dropout", "flash-attn", "cuda-flash", "cuda-efficient")] == [
+    assert [needs_kv_expansion(b) for b in ("explicit", "flash-attn", "cuda-flash", "cuda-efficient")] == [
         False,
         False,
         False,
@@ -145,7 +152,8 @@ def test_non_causal_blocks_attend_every_query_to_every_key(dropout_p, queries, k
     k, v = (torch.randn(2, 2, keys, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
     upstream = torch.randn(2, 4, queries, 8, dtype=torch.float64, generator=gen)
     torch.manual_seed(9)
-    out, stats = attention_forward(q.detach(), k.detach(), v.detach(), 0.3, dropout_p, causal=False)
+    traits = AttentionTraits(0.3, dropout_p)
+    out, stats = attention_forward(q.detach(), k.detach(), v.detach(), traits, causal=False)
     probs = (q @ expand_kv(k, 2).transpose(-1, -2) * 0.3).softmax(-1)
     if dropout_p:
         (seed,) = stats.extra
@@ -154,6 +162,52 @@ def test_non_causal_blocks_attend_every_query_to_every_key(dropout_p, queries, k
     want = probs @ expand_kv(v, 2)
     want.backward(upstream)
     torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
-    grads = attention_backward(upstream, q.detach(), k.detach(), v.detach(), out, stats, 0.3, causal=False)
+    grads = attention_backward(upstream, q.detach(), k.detach(), v.detach(), out, stats, traits, causal=False)
     for got, leaf in zip(grads, (q, k, v)):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_traits_choose_a_kernel_that_computes_them(monkeypatch):
+    """A window needs the explicit path on the CPU and outside the flash kernels' dtypes, soft-capping also on CUDA
+    without flash-attn; sinks never decide (composed with any kernel); a window that hides nothing is none."""
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: None)
+    flash = {"dtype": torch.bfloat16, "head_dim": 128, "capability": (9, 0)}
+    assert select_backend("cpu", torch.float32, 64, windowed=True) == "explicit"
+    assert select_backend("cpu", torch.float32, 64, softcapped=True) == "explicit"
+    assert select_backend("cuda", **flash, windowed=True) == "cuda-flash"
+    assert select_backend("cuda", **flash, softcapped=True) == "explicit"
+    assert select_backend("cuda", torch.float32, 128, capability=(9, 0), windowed=True) == "explicit"
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: object())
+    assert select_backend("cuda", **flash, windowed=True, softcapped=True) == "flash-attn"
+    q = torch.empty(1, 2, 10, 8)
+    assert kernel_window(AttentionTraits(1.0, window=9), 10) == 9
+    assert kernel_window(AttentionTraits(1.0, window=10), 10) is None
+    assert backend_for(q, AttentionTraits(1.0, window=10, sinks=torch.zeros(2))) == "cpu-flash"
+    assert backend_for(q, AttentionTraits(1.0, window=9)) == "explicit"
+    with pytest.raises(ValueError, match="needs causal"):
+        kernel_window(AttentionTraits(1.0, window=3), 10, causal=False)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_window_reaches_pytorchs_cuda_flash_kernel_and_sinks_compose_with_it(monkeypatch, kv_heads):
+    """The windowed CUDA flash path (its kernel stood in on the CPU): (B, S, h, D) views, window (w - 1, 0), the
+    sinks composed with its (out, lse) and its backward run on them; results equal the explicit path's."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 13, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(2, 13, kv_heads, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in "kv")
+    upstream = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
+    traits = AttentionTraits(0.3, window=5, sinks=torch.randn(4, dtype=torch.float64, generator=gen))
+    want_out, want_stats = attention_forward(q, k, v, traits)
+    want = attention_backward(upstream, q, k, v, want_out, want_stats, traits)
+    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True: "cuda-flash")
+    with TorchFlashOnCpu() as flash:
+        out, stats = attention_forward(q, k, v, traits)
+        grads = attention_backward(upstream, q, k, v, out, stats, traits)
+    (_, forward), (_, backward) = flash.calls
+    for call in (forward, backward):
+        assert (call["window_size_left"], call["window_size_right"], call["cum_seq_q"]) == (4, 0, None)
+        assert call["query"].shape == (2, 13, 4, 8) and call["key"].shape == (2, 13, kv_heads, 8)
+    assert backward["logsumexp"] is stats.lse and out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

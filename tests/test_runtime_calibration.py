@@ -60,7 +60,7 @@ class _ConstantSaver:
     """The layer's split, whose finish also saves one ``(B, 1, H)`` tensor: the same bytes at any length."""
 
     def __init__(self, split):
-        self.split, self.scale, self.dropout_p = split, split.scale, split.dropout_p
+        self.split, self.traits = split, split.traits
 
     def project(self, x, start, stop):
         return self.split.project(x, start, stop)
@@ -93,7 +93,7 @@ class _RecordingSplit:
     """Forwards to a layer split and logs the rows of every call."""
 
     def __init__(self, split, log):
-        self.split, self.scale, self.dropout_p, self.log = split, split.scale, split.dropout_p, log
+        self.split, self.traits, self.log = split, split.traits, log
 
     def project(self, x, start, stop):
         self.log.append(("project", x.shape[1]))
@@ -111,9 +111,9 @@ class _RecordingCore:
     def __init__(self, log):
         self.log = log
 
-    def forward(self, q, k, v, scale, dropout_p=0.0):
+    def forward(self, q, k, v, traits):
         self.log.append(("attention", q.shape[2]))
-        return LocalAttention.forward(q, k, v, scale, dropout_p)
+        return LocalAttention.forward(q, k, v, traits)
 
 
 def test_timing_runs_the_executors_chunks_once_to_warm_up_then_times_them_and_keeps_the_fastest(monkeypatch):

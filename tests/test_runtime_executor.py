@@ -11,6 +11,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import LocalAttention, expand_kv
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.executor import MemoLayerFunction, project_rows
 from hf_memo.runtime.memo import MemoRuntime
 from tests.stash_recording import RecordingSource, attention_output_copies
@@ -26,6 +27,10 @@ class ToySplit:
         self.positions, self.dropout = positions, dropout
         self.scale = HEAD_DIM**-0.5
         self.dropout_p = 0.0  # attention dropout
+
+    @property
+    def traits(self):
+        return AttentionTraits(self.scale, self.dropout_p)
 
     def project(self, x, start, stop):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm

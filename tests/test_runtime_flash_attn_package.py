@@ -11,6 +11,7 @@ import torch
 
 from hf_memo.runtime import attention_core, flash_attn_package
 from hf_memo.runtime.attention_core import attention_backward, attention_forward, expand_kv
+from hf_memo.runtime.attention_traits import AttentionTraits
 
 # flash-attn 2.7.0 .. 2.8.3's private functions, same names and parameters, computed with torch math. The
 # dropout mask is drawn from a generator seeded by ``rng_state``, as the CUDA kernel replays Philox from it.
@@ -20,14 +21,20 @@ import torch
 CALLS = []
 
 
-def _attention(q, k, v, dropout_p, softmax_scale, rng_state):
-    """(B, S, h, D) math attention, causal, GQA by repetition; also the log-sum-exp (B, h, S)."""
+def _attention(q, k, v, dropout_p, softmax_scale, rng_state, window_size_left, softcap):
+    """(B, S, h, D) math attention, causal, keys i - window_size_left <= j <= i (-1: all), scores soft-capped
+    (0.0: not), GQA by repetition; also the log-sum-exp (B, h, S)."""
     groups = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)
     kh, vh = (t.transpose(1, 2).repeat_interleave(groups, 1) for t in (k, v))
     scores = qh @ kh.transpose(-1, -2) * softmax_scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     seq = q.shape[1]
-    scores = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+    visible = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if window_size_left >= 0:
+        visible &= torch.ones(seq, seq, dtype=torch.bool).triu(-window_size_left)
+    scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     probs = torch.exp(scores - lse[..., None])
     gen = torch.Generator().manual_seed(int(rng_state[0]))
@@ -40,7 +47,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     CALLS.append(("forward", dict(locals())))
     rng_state = torch.tensor([1000 + len(CALLS), 0])
     with torch.no_grad():
-        out, lse = _attention(q, k, v, dropout_p, softmax_scale, rng_state)
+        out, lse = _attention(q, k, v, dropout_p, softmax_scale, rng_state, window_size_left, softcap)
     return out.contiguous(), lse, None, rng_state
 
 
@@ -49,7 +56,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     CALLS.append(("backward", dict(locals())))
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
-        again, _ = _attention(*leaves, dropout_p, softmax_scale, rng_state)
+        again, _ = _attention(*leaves, dropout_p, softmax_scale, rng_state, window_size_left, softcap)
         grads = torch.autograd.grad(again, leaves, dout)
     for buffer, grad in zip((dq, dk, dv), grads):
         buffer.copy_(grad)
@@ -116,20 +123,25 @@ def test_a_supported_install_is_imported_once(tmp_path, monkeypatch, version):
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_the_core_calls_flash_attn_with_its_interface_and_gets_exact_gradients(tmp_path, monkeypatch, dropout_p):
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, 2.0)])
+def test_the_core_calls_flash_attn_with_its_interface_and_gets_exact_gradients(
+    tmp_path, monkeypatch, dropout_p, window, softcap
+):
     """Forward and backward through the flash-attn backend: (B, S, h, D) tensors with a unit last stride, K/V with
-    h_kv heads (no expansion), named arguments of the 2.7/2.8 signatures, the forward's rng_state handed to the
-    backward; results equal autograd through the same math with the same mask."""
+    h_kv heads (no expansion), named arguments of the 2.7/2.8 signatures (a window of w keys as (w - 1, 0), the
+    soft-cap as it is), the forward's rng_state handed to the backward; results equal autograd through the same
+    math with the same mask."""
     _install(tmp_path, monkeypatch, "2.8.3", FAKE_INTERFACE)
     fake = flash_attn_package.flash_attn_interface()
-    monkeypatch.setattr(attention_core, "backend_for", lambda q, dropout_p=0.0: "flash-attn")
+    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True: "flash-attn")
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 11, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
     k, v = (torch.randn(2, 11, 2, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in range(2))
     upstream = torch.randn(2, 11, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
 
-    out, stats = attention_forward(q, k, v, 0.3, dropout_p)
-    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.3)
+    traits = AttentionTraits(0.3, dropout_p, window, softcap)
+    out, stats = attention_forward(q, k, v, traits)
+    dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, traits)
 
     (_, fwd), (_, bwd) = fake.CALLS
     assert [fwd[n].shape for n in "qkv"] == [(2, 11, 4, 8), (2, 11, 2, 8), (2, 11, 2, 8)]
@@ -138,18 +150,23 @@ def test_the_core_calls_flash_attn_with_its_interface_and_gets_exact_gradients(t
         "dropout_p": dropout_p,
         "softmax_scale": 0.3,
         "causal": True,
-        "window_size_left": -1,
-        "window_size_right": -1,
+        "window_size_left": -1 if window is None else window - 1,
+        "window_size_right": -1 if window is None else 0,
     }
-    assert (fwd["softcap"], fwd["alibi_slopes"], fwd["return_softmax"]) == (0.0, None, False)
+    assert (fwd["softcap"], fwd["alibi_slopes"], fwd["return_softmax"]) == (softcap or 0.0, None, False)
     assert bwd["dk"].shape == bwd["k"].shape == (2, 11, 2, 8) and bwd["dq"].shape == (2, 11, 4, 8)
     assert bwd["rng_state"] is stats.extra[0] and bwd["dropout_p"] == dropout_p and bwd["causal"] is True
-    assert (bwd["window_size_left"], bwd["window_size_right"], bwd["deterministic"]) == (-1, -1, False)
+    windows = (bwd["window_size_left"], bwd["window_size_right"])
+    assert windows == (fwd["window_size_left"], fwd["window_size_right"]) and bwd["softcap"] == fwd["softcap"]
+    assert bwd["deterministic"] is False
     assert out.transpose(1, 2).is_contiguous() and stats.lse.shape == (2, 4, 11)
 
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     scores = leaves[0] @ expand_kv(leaves[1], 2).transpose(-1, -2) * 0.3
-    scores = scores.masked_fill(~torch.ones(11, 11, dtype=torch.bool).tril(), float("-inf"))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    i, j = torch.arange(11)[:, None], torch.arange(11)
+    scores = scores.masked_fill((j > i) | (j <= i - (window or 11)), float("-inf"))
     rng = torch.Generator().manual_seed(int(stats.extra[0][0]))
     keep = (torch.rand(scores.shape, generator=rng, dtype=scores.dtype) >= dropout_p).to(scores.dtype)
     want = (scores.softmax(-1) * keep / (1 - dropout_p)) @ expand_kv(leaves[2], 2)

@@ -384,9 +384,9 @@ def test_calibration_times_attention_through_the_layers_own_core():
     calls = []
 
     class ExchangingCore:
-        def forward(self, q, k, v, scale, dropout_p=0.0):
+        def forward(self, q, k, v, traits):
             calls.append(q.shape)
-            return LocalAttention.forward(q, k, v, scale, dropout_p)
+            return LocalAttention.forward(q, k, v, traits)
 
     split, x = _split_and_input()
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e9), num_layers=6)

@@ -5,10 +5,19 @@ import torch
 import torch.nn.functional as F
 
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.batch_layout import BatchLayout
-from hf_memo.runtime.varlen_attention import ROW_KEYWORDS, VarlenAttention, attend_per_sample, attention_core_for
+from hf_memo.runtime.varlen_attention import (
+    ROW_KEYWORDS,
+    PackedKernels,
+    VarlenAttention,
+    attend_per_sample,
+    attention_core_for,
+)
+from tests.torch_flash_stand_in import TorchFlashOnCpu
 
 ROWS = (((0, 3), (3, 8), (8, 9), (9, 13)), ((2, 11),))  # packed samples; a row with padding on both sides
+TRAITS = AttentionTraits(0.3)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -18,8 +27,10 @@ def test_each_sample_attends_only_to_itself_and_padding_gets_nothing(kv_heads):
     k, v = (torch.randn(2, kv_heads, 13, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
     grad_out = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
     core = VarlenAttention(BatchLayout(13, ROWS))
-    out, stats = core.forward(q.detach(), k.detach(), v.detach(), 0.3)
-    dq, dk, dv = core.backward(grad_out.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, stats, 0.3)
+    out, stats = core.forward(q.detach(), k.detach(), v.detach(), TRAITS)
+    grad_rows = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv, dsinks = core.backward(grad_rows, q, k, v, out, stats, TRAITS)
+    assert dsinks is None
 
     want = torch.zeros_like(out)
     for row, spans in enumerate(ROWS):
@@ -45,8 +56,8 @@ def test_trained_padding_attends_as_transformers_causal_and_padding_mask_gives(k
     k, v = (torch.randn(3, kv_heads, 9, 8, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
     grad_out = torch.randn(3, 4, 9, 8, dtype=torch.float64, generator=gen)
     layout = BatchLayout(9, (((0, 4),), ((2, 7),), ((0, 9),)), padding_attends=True)
-    out, stats = VarlenAttention(layout).forward(q.detach(), k.detach(), v.detach(), 0.3)
-    dq, dk, dv = VarlenAttention(layout).backward(grad_out, q, k, v, out, stats, 0.3)
+    out, stats = VarlenAttention(layout).forward(q.detach(), k.detach(), v.detach(), TRAITS)
+    dq, dk, dv, _ = VarlenAttention(layout).backward(grad_out, q, k, v, out, stats, TRAITS)
 
     mask = torch.ones(9, 9, dtype=torch.bool).tril() & real.bool()[:, None, None, :]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=kv_heads != 4)
@@ -85,24 +96,24 @@ class CountingCpuPackedKernels:
     calls = 0
 
     @classmethod
-    def forward(cls, q, k, v, cu, longest, scale, p):
+    def forward(cls, q, k, v, cu, longest, scale, p, window=None):
         cls.calls += 1
-        assert q.is_contiguous() and q.dim() == 3 and longest == int((cu[1:] - cu[:-1]).max())
+        assert q.is_contiguous() and q.dim() == 3 and longest == int((cu[1:] - cu[:-1]).max()) and window is None
         outs, lses = [], []
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             sample = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]  # (1, h, s, D)
-            out, stats = LocalAttention.forward(*sample, scale, p)
+            out, stats = LocalAttention.forward(*sample, AttentionTraits(scale, p))
             outs.append(out[0].transpose(0, 1))
             lses.append(stats.lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1), ()
 
     @classmethod
-    def backward(cls, grad_out, q, k, v, out, lse, extra, cu, longest, scale, p):
+    def backward(cls, grad_out, q, k, v, out, lse, extra, cu, longest, scale, p, window=None):
         grads = [[], [], []]
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             sample = [t[a:b].transpose(0, 1)[None] for t in (grad_out, q, k, v, out)]
             stats = AttentionStats(lse[:, a:b][None])
-            for parts, g in zip(grads, LocalAttention.backward(*sample, stats, scale)):
+            for parts, g in zip(grads, LocalAttention.backward(*sample, stats, AttentionTraits(scale, p))):
                 parts.append(g[0].transpose(0, 1))
         return tuple(torch.cat(parts) for parts in grads)
 
@@ -118,12 +129,12 @@ def test_the_packed_path_gathers_the_samples_into_one_call_and_scatters_results_
     layout = BatchLayout(13, ROWS)
     CountingCpuPackedKernels.calls = 0
     packed = VarlenAttention(layout, packed=CountingCpuPackedKernels)
-    out, stats = packed.forward(q, k, v, 0.3)
-    grads = packed.backward(grad_out, q, k, v, out, stats, 0.3)
+    out, stats = packed.forward(q, k, v, TRAITS)
+    grads = packed.backward(grad_out, q, k, v, out, stats, TRAITS)[:3]
     assert CountingCpuPackedKernels.calls == 1 and stats.lse.shape == (4, 3 + 5 + 1 + 4 + 9)
     per_sample = VarlenAttention(layout)
-    want_out, want_stats = per_sample.forward(q, k, v, 0.3)
-    want_grads = per_sample.backward(grad_out, q, k, v, want_out, want_stats, 0.3)
+    want_out, want_stats = per_sample.forward(q, k, v, TRAITS)
+    want_grads = per_sample.backward(grad_out, q, k, v, want_out, want_stats, TRAITS)[:3]
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     assert out.transpose(1, 2).is_contiguous()  # the executor keeps rows as views of (B, S, h, D) memory
     for got, want, like in zip(grads, want_grads, (q, k, v)):
@@ -138,10 +149,81 @@ def test_the_packed_kernels_serve_where_the_flash_kernel_does_and_never_attendin
 
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     packed, padded = BatchLayout(8, (((0, 3), (3, 8)),)), BatchLayout(8, (((0, 3),),), padding_attends=True)
-    assert packed_kernels_for(q, packed, 0.0) is None  # CPU: per-sample calls
+    assert packed_kernels_for(q, packed, TRAITS) is None  # CPU: per-sample calls
     chosen = []
-    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, p: chosen.append(t.dtype) or "cuda-flash")
-    assert packed_kernels_for(q, packed, 0.1) is PackedKernels and chosen == [torch.bfloat16]
-    assert packed_kernels_for(q, padded, 0.0) is None  # padding attending over its sample: per-block calls
-    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, p: "cuda-efficient")
-    assert packed_kernels_for(q, packed, 0.0) is None
+    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, traits: chosen.append(t.dtype) or "cuda-flash")
+    assert packed_kernels_for(q, packed, AttentionTraits(0.3, 0.1, window=2)) is PackedKernels
+    assert chosen == [torch.bfloat16]
+    assert packed_kernels_for(q, padded, TRAITS) is None  # padding attending over its sample: per-block calls
+    assert packed_kernels_for(q, packed, AttentionTraits(0.3, softcap=5.0)) is None  # PyTorch's kernel has no softcap
+    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, traits: "cuda-efficient")
+    assert packed_kernels_for(q, packed, TRAITS) is None
+
+
+def _sample_window_mask(rows, length, window):
+    """Additive ``(B, 1, S, S)`` mask: causal within each sample of ``rows`` and inside the window; -inf elsewhere."""
+    visible = torch.zeros(len(rows), 1, length, length, dtype=torch.bool)
+    i, j = torch.arange(length)[:, None], torch.arange(length)
+    for row, spans in enumerate(rows):
+        for start, stop in spans:
+            inside = (i >= start) & (i < stop) & (j >= start) & (j <= i) & (j > i - window)
+            visible[row, 0] |= inside
+    return torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -torch.inf)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_window_and_sinks_apply_within_each_sample(kv_heads):
+    """gpt-oss's eager attention on whole rows with a block-diagonal sliding mask: the window counts from each
+    sample's own tokens, padding queries give zeros (their sink takes all the weight), the sinks' gradient sums
+    over the samples."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(2, kv_heads, 13, 8, dtype=torch.float64, generator=gen) for _ in "kv")
+    sinks, grad_out = torch.randn(4, dtype=torch.float64, generator=gen), torch.randn_like(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    module = type("Attention", (), {"num_key_value_groups": 4 // kv_heads, "training": False, "sinks": leaves[3]})
+    want, _ = eager_attention_forward(module, *leaves[:3], _sample_window_mask(ROWS, 13, 3), 0.3)
+    want.backward(grad_out.transpose(1, 2))
+    traits = AttentionTraits(0.3, window=3, sinks=sinks)
+    core = VarlenAttention(BatchLayout(13, ROWS))
+    out, stats = core.forward(q, k, v, traits)
+    grads = core.backward(grad_out, q, k, v, out, stats, traits)
+    torch.testing.assert_close(out.transpose(1, 2), want.detach(), rtol=1e-12, atol=1e-12)
+    for got, leaf in zip(grads, leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_packed_kernel_gets_the_window_and_sinks_compose_with_it(kv_heads):
+    """PyTorch's varlen flash kernel (stood in on the CPU) with the window (w - 1, 0) inside each sample and the
+    sinks composed with its packed (out, lse): equal to the per-sample path."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 13, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(2, 13, kv_heads, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in "kv")
+    grad_out = torch.randn(2, 4, 13, 8, dtype=torch.float64, generator=gen)
+    traits = AttentionTraits(0.3, window=4, sinks=torch.randn(4, dtype=torch.float64, generator=gen))
+    layout = BatchLayout(13, ROWS)
+    with TorchFlashOnCpu() as flash:
+        packed = VarlenAttention(layout, packed=PackedKernels)
+        out, stats = packed.forward(q, k, v, traits)
+        grads = packed.backward(grad_out, q, k, v, out, stats, traits)
+    assert [(call["window_size_left"], call["window_size_right"]) for _, call in flash.calls] == [(3, 0), (3, 0)]
+    per_sample = VarlenAttention(layout)
+    want_out, want_stats = per_sample.forward(q, k, v, traits)
+    want_grads = per_sample.backward(grad_out, q, k, v, want_out, want_stats, traits)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_window_over_padding_that_attends_is_none_within_its_reach_and_refused_beyond():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 9, 8, dtype=torch.float64, generator=gen) for _ in "qkv")
+    layout = BatchLayout(9, (((2, 6),),), padding_attends=True)  # padding 6..8 attends to tokens 2..5: reach 7
+    plain, _ = VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3))
+    windowed, _ = VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3, window=7))
+    assert torch.equal(windowed, plain)
+    with pytest.raises(ValueError, match="sliding window of 6 tokens over padding that attends"):
+        VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3, window=6))

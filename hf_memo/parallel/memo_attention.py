@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -12,6 +14,7 @@ from hf_memo.parallel.ulysses import (
     sum_replicated_kv_heads,
 )
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.executor import AttentionCore
 
 
@@ -24,6 +27,11 @@ class UlyssesAttention:
     core's backward and exchanges dq/dk/dv back (replicated KV heads' gradients summed).
     ``core`` attends over the whole exchanged rows: :class:`LocalAttention`, or a
     :class:`~hf_memo.runtime.varlen_attention.VarlenAttention` with the samples of the whole rows.
+
+    Traits: a window and soft-cap apply as they are (each rank holds whole sequences); the inner core gets
+    this rank's slice of the sinks, and the sinks' gradient comes back as a full ``(h,)`` tensor, zero outside
+    this rank's heads: this rank's contribution, as every other parameter's gradient is one (the gradient
+    reduction over the group's ranks combines their heads; see :mod:`hf_memo.parallel.causal_lm`).
     """
 
     def __init__(self, group: dist.ProcessGroup, size: int, core: AttentionCore | None = None) -> None:
@@ -36,11 +44,24 @@ class UlyssesAttention:
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return gather_heads_scatter_sequence(x.contiguous(), self.group)
 
+    def _heads(self, heads: int) -> slice:
+        """This rank's query heads after the exchange, of ``heads``."""
+        rank = dist.get_rank(self.group) if self.size > 1 else 0
+        step = heads // self.size
+        return slice(rank * step, (rank + 1) * step)
+
+    def _local(self, traits: AttentionTraits, heads: int) -> AttentionTraits:
+        """``traits`` for this rank's heads: the sinks sliced to them."""
+        if traits.sinks is None:
+            return traits
+        return replace(traits, sinks=traits.sinks[self._heads(heads)])
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]:
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
-        out, stats = self.core.forward(self._scatter(q), self._scatter(k), self._scatter(v), scale, dropout_p)
+        local = self._local(traits, q.shape[1])
+        out, stats = self.core.forward(self._scatter(q), self._scatter(k), self._scatter(v), local)
         return self._gather(out), stats
 
     def backward(
@@ -51,21 +72,26 @@ class UlyssesAttention:
         v: torch.Tensor,
         out: torch.Tensor,
         stats: AttentionStats,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        traits: AttentionTraits,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         kv_heads = k.shape[1]
         k, v = replicate_kv_heads(k, self.size), replicate_kv_heads(v, self.size)
-        dq, dk, dv = self.core.backward(
+        dq, dk, dv, local_dsinks = self.core.backward(
             self._scatter(grad_out),
             self._scatter(q),
             self._scatter(k),
             self._scatter(v),
             self._scatter(out),
             stats,
-            scale,
+            self._local(traits, q.shape[1]),
         )
+        dsinks = None
+        if local_dsinks is not None:
+            dsinks = local_dsinks.new_zeros(q.shape[1])
+            dsinks[self._heads(q.shape[1])] = local_dsinks
         return (
             self._gather(dq),
             sum_replicated_kv_heads(self._gather(dk), kv_heads),
             sum_replicated_kv_heads(self._gather(dv), kv_heads),
+            dsinks,
         )

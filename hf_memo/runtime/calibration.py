@@ -164,7 +164,7 @@ def _chunked_forward(
     q, k, v = (_gather_heads([chunk[i] for chunk in parts]) for i in range(3))
     del parts
     mark()
-    out, _ = core.forward(q, k, v, split.scale, split.dropout_p)
+    out, _ = core.forward(q, k, v, split.traits)
     mark()
     del q, k, v
     o_rows = _sequence_major(out).transpose(1, 2).reshape(*x.shape[:2], -1)

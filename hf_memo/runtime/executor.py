@@ -40,6 +40,7 @@ from torch.autograd.graph import get_gradient_edge
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
 from hf_memo.runtime.attention_core import AttentionStats
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
 
@@ -59,8 +60,7 @@ def project_rows(projection: Callable[[torch.Tensor], torch.Tensor], o: torch.Te
 class LayerSplit(Protocol):
     """A decoder layer cut around its attention core (see the module docstring)."""
 
-    scale: float
-    dropout_p: float  # attention dropout probability of this call (0 outside training)
+    traits: AttentionTraits  # the layer's attention: scale, dropout of this call (0 outside training), window, ...
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -72,10 +72,14 @@ class LayerSplit(Protocol):
 
 
 class AttentionCore(Protocol):
-    """Causal attention as a forward/backward pair on ``(B, h, S, D)`` tensors (see :mod:`.attention_core`)."""
+    """Causal attention as a forward/backward pair on ``(B, h, S, D)`` tensors (see :mod:`.attention_core`).
+
+    ``backward`` returns ``(dq, dk, dv, dsinks)``: ``dsinks`` is the ``(h,)`` gradient of ``traits.sinks``
+    (``None`` without sinks), which the executor adds to that parameter's gradient.
+    """
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]: ...
 
     def backward(
@@ -86,8 +90,8 @@ class AttentionCore(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         stats: AttentionStats,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+        traits: AttentionTraits,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class StashSource(Protocol):
@@ -131,6 +135,14 @@ def _accumulate(grads: list, need_x: int, sums: GradSum, wanted: list[bool]) -> 
     rest = iter(grads[need_x:])
     sums.add([next(rest) if w else None for w in wanted])
     return grads[:need_x]
+
+
+def _add_sinks_grad(
+    sums: GradSum, params: tuple[torch.Tensor, ...], sinks: torch.Tensor | None, dsinks: torch.Tensor | None
+) -> None:
+    """Add the attention core's ``dsinks`` ``(h,)`` to the gradient of the parameter ``sinks`` is (by identity)."""
+    if dsinks is not None:
+        sums.add([dsinks if p is sinks else None for p in params])
 
 
 def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -206,7 +218,7 @@ class MemoLayerFunction(torch.autograd.Function):
         q, k, v = (_gather_heads(parts) for parts in qkv)
         del qkv
         ctx.attention_replay = None if keep_attention else ReplayState.capture(x.device)
-        out, stats = core.forward(q, k, v, split.scale, split.dropout_p)
+        out, stats = core.forward(q, k, v, split.traits)
         runtime.attention_ran()
         del q, k, v
         out = _sequence_major(out)
@@ -268,7 +280,7 @@ class MemoLayerFunction(torch.autograd.Function):
         else:
             q, k, v = _rebuild_qkv(ctx, x)
             with torch.no_grad(), ctx.attention_replay.replay():
-                out, stats = ctx.core.forward(q, k, v, split.scale, split.dropout_p)
+                out, stats = ctx.core.forward(q, k, v, split.traits)
             ctx.runtime.attention_ran()
             out = ctx.recomputed_out.value = _sequence_major(out)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
@@ -298,7 +310,8 @@ class MemoLayerFunction(torch.autograd.Function):
         if q is None:
             q, k, v = _rebuild_qkv(ctx, x)
         grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
-        dq, dk, dv = ctx.core.backward(grad_out, q, k, v, out, stats, split.scale)
+        dq, dk, dv, dsinks = ctx.core.backward(grad_out, q, k, v, out, stats, split.traits)
+        _add_sinks_grad(sums, params, split.traits.sinks, dsinks)
         del q, k, v, grad_o, grad_out, out, o_rows
 
         for (start, stop), (x_edge, edges) in zip(offloaded, ctx.pre_graphs):

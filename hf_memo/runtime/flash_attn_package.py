@@ -63,6 +63,15 @@ def flash_attn_interface() -> ModuleType | None:
         return None
 
 
+def _window_and_softcap(window: int | None, softcap: float | None) -> dict[str, float | int]:
+    """flash-attn's arguments for a causal ``window`` (``-1``: none) and ``softcap`` (``0.0``: none)."""
+    return {
+        "window_size_left": -1 if window is None else window - 1,
+        "window_size_right": -1 if window is None else 0,
+        "softcap": 0.0 if softcap is None else softcap,
+    }
+
+
 def forward(
     fa: ModuleType,
     q: torch.Tensor,
@@ -71,9 +80,13 @@ def forward(
     scale: float,
     dropout_p: float,
     causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal attention: q ``(B, S, h, D)``, k, v ``(B, S, h_kv, D)`` -> out ``(B, S, h, D)``, lse ``(B, h, S)``,
-    and the ``rng_state`` that replays the dropout mask. ``causal=False``: every query attends to every key."""
+    and the ``rng_state`` that replays the dropout mask. ``causal=False``: every query attends to every key.
+    ``window``: query ``i`` sees keys ``i - window < j <= i`` (transformers' rule; flash-attn's window is
+    ``(window - 1, 0)``); ``softcap``: scores become ``softcap * tanh(score / softcap)``."""
     out, lse, _, rng_state = fa._flash_attn_forward(
         q=q,
         k=k,
@@ -81,9 +94,7 @@ def forward(
         dropout_p=dropout_p,
         softmax_scale=scale,
         causal=causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
+        **_window_and_softcap(window, softcap),
         alibi_slopes=None,
         return_softmax=False,
     )
@@ -102,9 +113,11 @@ def backward(
     scale: float,
     dropout_p: float,
     causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the layouts of ``q, k, v`` (``(B, S, h, D)``, ``(B, S, h_kv, D)``), replaying the forward's
-    dropout mask from its ``rng_state``."""
+    dropout mask from its ``rng_state`` (``causal``, ``window`` and ``softcap`` as in :func:`forward`)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fa._flash_attn_backward(
         dout=grad_out,
@@ -119,9 +132,7 @@ def backward(
         dropout_p=dropout_p,
         softmax_scale=scale,
         causal=causal,
-        window_size_left=-1,
-        window_size_right=-1,
-        softcap=0.0,
+        **_window_and_softcap(window, softcap),
         alibi_slopes=None,
         deterministic=False,
         rng_state=rng_state,

@@ -7,11 +7,19 @@ padding after a sample, once more for those padding queries over all of the samp
 causal), as transformers' masks give them. Other padding tokens get a zero output and a zero gradient,
 and the work is ``Σ sᵢ²`` (plus the padding blocks), not ``S²``.
 
+Attention traits (:class:`~hf_memo.runtime.attention_traits.AttentionTraits`) apply per sample: a sliding
+window is relative to the query, so it applies within each sample's block (a window no sample's reach
+exceeds is none); sinks join every query's softmax and their gradient sums over the blocks. The padding
+queries of ``padding_attends`` attend to their sample's keys without causal positions, so a window shorter
+than :meth:`~hf_memo.runtime.batch_layout.BatchLayout.reach` is refused where padding attends.
+
 On CUDA, where the flash kernel serves the step (fp16/bf16, see
-:func:`~hf_memo.runtime.attention_core.backend_for`) and no padding attends, the samples' tokens are
+:func:`~hf_memo.runtime.attention_core.backend_for`), no padding attends and the layer does not soft-cap
+its scores (PyTorch's varlen kernel takes a window but no soft-cap), the samples' tokens are
 gathered into one packed ``(total, h, D)`` tensor and attended in one call of PyTorch's varlen flash
 kernel (``cu_seqlens``: every sample's start in the packed tensor): a row of 256 short samples is one
-kernel call, not 256 (:class:`PackedKernels`). Elsewhere, per-sample calls rather than one block-causal
+kernel call, not 256 (:class:`PackedKernels`); sinks are composed with its result (:mod:`.attention_sinks`).
+Elsewhere, per-sample calls rather than one block-causal
 masked call: the CPU kernels take no ``cu_seqlens``, and a block-diagonal mask makes them compute (and the
 mask hold) all ``S²`` pairs.
 Measured on CPU (fp32, one thread, 8 heads of 64, a 4096-token row, forward + backward, torch 2.13):
@@ -22,6 +30,7 @@ Measured on CPU (fp32, one thread, 8 heads of 64, a 4096-token row, forward + ba
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +42,10 @@ from hf_memo.runtime.attention_core import (
     attention_forward,
     backend_for,
     compute_dtype,
+    flash_window,
 )
+from hf_memo.runtime.attention_sinks import apply_sinks_, sinks_grad
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.batch_layout import BatchLayout
 
 _ops = torch.ops.aten
@@ -41,15 +53,23 @@ _ops = torch.ops.aten
 
 class PackedKernels:
     """Causal attention over the samples of one packed ``(total, h, D)`` tensor in one call: PyTorch's CUDA flash
-    kernel with ``cu_seqlens`` (int32 ``(samples + 1,)``, each sample's start, then ``total``). The statistics
-    are the kernel's: lse ``(h, total)`` and the RNG state that replays the dropout mask."""
+    kernel with ``cu_seqlens`` (int32 ``(samples + 1,)``, each sample's start, then ``total``), the window (if any)
+    within each sample. The statistics are the kernel's: lse ``(h, total)`` and the RNG state that replays the
+    dropout mask."""
 
     @staticmethod
     def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scale: float, p: float
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        scale: float,
+        p: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         out, lse, rng_state, unused, _ = _ops._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, p, True, False, scale=scale
+            q, k, v, cu, cu, longest, longest, p, True, False, scale=scale, **flash_window(window)
         )
         return out, lse, (rng_state, unused)
 
@@ -66,19 +86,36 @@ class PackedKernels:
         longest: int,
         scale: float,
         p: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rng_state, unused = extra
         return _ops._flash_attention_backward(
-            grad_out, q, k, v, out, lse, cu, cu, longest, longest, p, True, rng_state, unused, scale=scale
+            grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu,
+            cu,
+            longest,
+            longest,
+            p,
+            True,
+            rng_state,
+            unused,
+            scale=scale,
+            **flash_window(window),
         )
 
 
-def packed_kernels_for(q: torch.Tensor, layout: BatchLayout, dropout_p: float) -> type[PackedKernels] | None:
-    """:class:`PackedKernels` where they serve ``q`` ``(B, h, S, D)`` (CUDA, the flash kernel's dtypes and head sizes)
-    and every block of ``layout`` is a causal sample (no padding attends); else ``None``."""
-    if layout.padding_attends:
+def packed_kernels_for(q: torch.Tensor, layout: BatchLayout, traits: AttentionTraits) -> type[PackedKernels] | None:
+    """:class:`PackedKernels` where they serve ``q`` ``(B, h, S, D)`` with ``traits`` (CUDA, the flash kernel's dtypes
+    and head sizes, no soft-cap) and every block of ``layout`` is a causal sample (no padding attends), else
+    ``None``."""
+    if layout.padding_attends or traits.softcap is not None:
         return None
-    flash = backend_for(q.to(compute_dtype(q)), dropout_p) in ("cuda-flash", "flash-attn")
+    flash = backend_for(q.to(compute_dtype(q)), traits) in ("cuda-flash", "flash-attn")
     return PackedKernels if flash else None
 
 
@@ -96,22 +133,41 @@ class VarlenAttention:
         self.layout = layout
         self.packed = packed
 
-    def _kernels(self, q: torch.Tensor, dropout_p: float) -> type[PackedKernels] | None:
-        return self.packed or packed_kernels_for(q, self.layout, dropout_p)
+    def _traits(self, traits: AttentionTraits) -> AttentionTraits:
+        """``traits`` for this layout's blocks: a window no query's reach exceeds is none.
+
+        Raises:
+            ValueError: a window that hides keys from padding that attends (it has no causal positions).
+        """
+        if traits.window is None:
+            return traits
+        if traits.window >= self.layout.reach():
+            return replace(traits, window=None)
+        if self.layout.padding_attends:
+            raise ValueError(
+                f"a sliding window of {traits.window} tokens over padding that attends to a sample of up to "
+                f"{self.layout.reach()} tokens (labels on padding after a sample): mask the padding's labels "
+                "with -100, or pack the samples without padding"
+            )
+        return traits
+
+    def _kernels(self, q: torch.Tensor, traits: AttentionTraits) -> type[PackedKernels] | None:
+        return self.packed or packed_kernels_for(q, self.layout, traits)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float = 0.0
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]:
         """Output ``(B, h, S, D)`` (zeros on padding that attends to nothing) and the statistics its
         :meth:`backward` needs."""
-        kernels = self._kernels(q, dropout_p)
+        traits = self._traits(traits)
+        kernels = self._kernels(q, traits)
         if kernels is not None:
-            return self._packed_forward(kernels, q, k, v, scale, dropout_p)
+            return self._packed_forward(kernels, q, k, v, traits)
         out = None
         lses, extras = [], []
         for row, queries, keys, causal in self.layout.blocks(q.shape[0]):
             rows, keys = _part(row, queries), _part(row, keys)
-            piece, stats = attention_forward(q[rows], k[keys], v[keys], scale, dropout_p, causal)
+            piece, stats = attention_forward(q[rows], k[keys], v[keys], traits, causal)
             if out is None:
                 out = _sequence_major_zeros(q, v.shape[-1], piece.dtype)
             out[rows] = piece
@@ -120,7 +176,7 @@ class VarlenAttention:
         if out is None:  # only padding: nothing attends
             out = _sequence_major_zeros(q, v.shape[-1], q.dtype)
         lse = torch.cat(lses) if lses else q.new_zeros(0, dtype=torch.float32)
-        return out, AttentionStats(lse, tuple(extras), dropout_p)
+        return out, AttentionStats(lse, tuple(extras), traits.dropout_p)
 
     def backward(
         self,
@@ -130,26 +186,35 @@ class VarlenAttention:
         v: torch.Tensor,
         out: torch.Tensor,
         stats: AttentionStats,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the shapes, dtypes and memory layouts of ``q, k, v``; zero on padding that is in no
-        block."""
+        traits: AttentionTraits,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(dq, dk, dv)`` in the shapes, dtypes and memory layouts of ``q, k, v``, zero on padding that is in no
+        block, and the ``(h,)`` gradient of ``traits.sinks`` summed over the blocks (``None`` without sinks)."""
+        traits = self._traits(traits)
         if stats.extra and stats.extra[0] == "packed":
-            return self._packed_backward(grad_out, q, k, v, out, stats, scale)
+            return self._packed_backward(grad_out, q, k, v, out, stats, traits)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        sinks = traits.sinks
+        dsinks = (
+            None
+            if sinks is None
+            else sinks.new_zeros(sinks.shape, dtype=torch.promote_types(sinks.dtype, torch.float32))
+        )
         offset = 0
         for (row, queries, keys, causal), (shape, extra) in zip(self.layout.blocks(q.shape[0]), stats.extra):
             rows, keys = _part(row, queries), _part(row, keys)
             size = shape.numel()
             block_stats = AttentionStats(stats.lse[offset : offset + size].view(shape), extra, stats.dropout_p)
             offset += size
-            grad_q, grad_k, grad_v = attention_backward(
-                grad_out[rows], q[rows], k[keys], v[keys], out[rows], block_stats, scale, causal
+            grad_q, grad_k, grad_v, grad_sinks = attention_backward(
+                grad_out[rows], q[rows], k[keys], v[keys], out[rows], block_stats, traits, causal
             )
             dq[rows] += grad_q  # a padding block's keys are its sample's: their gradients add up
             dk[keys] += grad_k
             dv[keys] += grad_v
-        return dq, dk, dv
+            if dsinks is not None:
+                dsinks += grad_sinks
+        return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
 
     def _token_index(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(index, cu, longest)``: the samples' tokens in ``(B * S)`` row-major order, their starts in the packed
@@ -162,13 +227,21 @@ class VarlenAttention:
         return index.to(device=device, dtype=torch.long), cu.to(device), max(lengths, default=0)
 
     def _packed_forward(
-        self, kernels: type[PackedKernels], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, p: float
+        self,
+        kernels: type[PackedKernels],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        traits: AttentionTraits,
     ) -> tuple[torch.Tensor, AttentionStats]:
         dtype = compute_dtype(q, k, v)  # as attention_forward: autocast's dtype, or the inputs'
         index, cu, longest = self._token_index(q.shape[0], q.device)
         q_p, k_p, v_p = (_packed(t.to(dtype), index) for t in (q, k, v))
+        p = traits.dropout_p
         with torch.no_grad():
-            out_p, lse, extra = kernels.forward(q_p, k_p, v_p, cu, longest, scale, p)
+            out_p, lse, extra = kernels.forward(q_p, k_p, v_p, cu, longest, traits.scale, p, traits.window)
+            if traits.sinks is not None:
+                apply_sinks_(_heads_first(out_p), lse[None], traits.sinks)
         out = _sequence_major_zeros(q, v.shape[-1], out_p.dtype)
         out.transpose(1, 2).reshape(-1, *out_p.shape[1:]).index_copy_(0, index, out_p)  # a view of out's memory
         return out, AttentionStats(lse, ("packed", kernels, extra), p)
@@ -181,13 +254,22 @@ class VarlenAttention:
         v: torch.Tensor,
         out: torch.Tensor,
         stats: AttentionStats,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        traits: AttentionTraits,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         _, kernels, extra = stats.extra
         index, cu, longest = self._token_index(q.shape[0], q.device)
         packed = [_packed(t.to(out.dtype), index) for t in (grad_out, q, k, v, out)]
-        grads = kernels.backward(*packed, stats.lse, extra, cu, longest, scale, stats.dropout_p)
-        return tuple(_unpacked(g, index, like) for g, like in zip(grads, (q, k, v)))
+        grads = kernels.backward(*packed, stats.lse, extra, cu, longest, traits.scale, stats.dropout_p, traits.window)
+        dq, dk, dv = (_unpacked(g, index, like) for g, like in zip(grads, (q, k, v)))
+        if traits.sinks is None:
+            return dq, dk, dv, None
+        grad_p, out_p = packed[0], packed[-1]
+        return dq, dk, dv, sinks_grad(_heads_first(grad_p), _heads_first(out_p), stats.lse[None], traits.sinks)
+
+
+def _heads_first(packed: torch.Tensor) -> torch.Tensor:
+    """A packed ``(total, h, D)`` tensor as a ``(1, h, total, D)`` view."""
+    return packed.transpose(0, 1)[None]
 
 
 def _packed(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
