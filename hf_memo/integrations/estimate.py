@@ -845,7 +845,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--pinned-memory",
         default=None,
         help="host memory per node that may be pinned (default: "
-        f"{PINNABLE_FRACTION:.0%} of what the host reserve leaves)",
+        f"{PINNABLE_FRACTION:.0%}% of what the host reserve leaves)",  # argparse reads %%: a literal %
     )
     parser.add_argument(
         "--gpu", default=DEFAULT_GPU, help=f"GPU of the step-time bound: {', '.join(GPUS)} (default {DEFAULT_GPU})"
