@@ -27,10 +27,10 @@ from tests.conftest import VOCAB
 
 WINDOW = 8  # sliding-window length: the test sequences are 21-40 tokens, so windows really cut them
 HIDDEN = 32
-# What a gradient may differ by, relative to its largest element, where the reference's eager attention rounds
-# its probabilities through fp32 and the patched model computes attention in fp64: eager and SDPA attention of
-# transformers differ by ~1e-7 (tests/test_patches_structure.py::test_fp32_softmax_tolerance_is_needed).
-FP32_SOFTMAX_TOLERANCE = 1e-6
+# What a gradient may differ by, relative to its largest element, where the model computes in fp32 inside (see
+# ``CatalogModel.fp32_rounded``): fp32 rounding that the patched model re-associates is ~1e-7 of it (eager and
+# SDPA attention of transformers differ by that: tests/test_patches_structure.py::test_fp32_tolerance_is_needed).
+FP32_TOLERANCE = 1e-6
 _IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # every special token inside the vocabulary
 _LAYOUT = {
     "vocab_size": VOCAB,
@@ -63,6 +63,9 @@ class CatalogModel:
         fp32_softmax: whether its attention (transformers' eager function of the family) rounds the attention
             probabilities through fp32 (``softmax(..., dtype=torch.float32)``), so that in fp64 it agrees with
             exact attention only to fp32 rounding.
+        fp32_norms: whether its norms compute in fp32 up to and with their weight (Gemma's ``(1 + w)`` on
+            ``x.float()``, Cohere's LayerNorm), so that a norm weight's gradient is an fp32 sum over tokens and
+            its outputs carry fp32 rounding.
     """
 
     name: str
@@ -71,6 +74,13 @@ class CatalogModel:
     traits: str
     moe: bool = False
     fp32_softmax: bool = False
+    fp32_norms: bool = False
+
+    def fp32_rounded(self, recompute: str) -> bool:
+        """Whether, patched with ``recompute``, its gradients equal the unpatched model's only to fp32 rounding
+        (``FP32_TOLERANCE``): its norms compute in fp32 (chunks re-associate their sums), or its softmax is
+        rounded through fp32 and memo's attention core computes attention in fp64."""
+        return self.fp32_norms or (self.fp32_softmax and recompute == "memo")
 
     @property
     def model_type(self) -> str:
@@ -256,6 +266,7 @@ _ENTRIES = [
         "GemmaForCausalLM",
         _config("GemmaConfig", **_LAYOUT, head_dim=8),
         "scaled embeddings, (1 + w) RMSNorm, GeLU-tanh MLP",
+        fp32_norms=True,
     ),
     CatalogModel(
         "gemma2",
@@ -273,6 +284,7 @@ _ENTRIES = [
         f"attention and final logit soft-capping (both change the logits), sliding({WINDOW})/full layers, "
         "sandwich norms, query_pre_attn_scalar, eager attention (it has no sdpa)",
         fp32_softmax=True,
+        fp32_norms=True,
     ),
     CatalogModel(
         "gemma3_text",
@@ -280,6 +292,7 @@ _ENTRIES = [
         _GEMMA3_TEXT,
         f"sliding({WINDOW})/full layers with their own RoPE bases, q/k norms, final logit soft-capping "
         "(transformers ignores Gemma 3's attn_logit_softcapping)",
+        fp32_norms=True,
     ),
     CatalogModel(
         "gemma3_text-eager",
@@ -287,12 +300,14 @@ _ENTRIES = [
         lambda: _with_attention(_GEMMA3_TEXT(), "eager"),
         "as gemma3_text, eager attention",
         fp32_softmax=True,
+        fp32_norms=True,
     ),
     CatalogModel(
         "gemma3",
         "Gemma3ForConditionalGeneration",
         _gemma3_multimodal,
         "Gemma 3's multimodal class trained on text only (a tiny SigLIP tower it never runs), gemma3_text's traits",
+        fp32_norms=True,
     ),
     CatalogModel(
         "phi3",
@@ -342,12 +357,14 @@ _ENTRIES = [
         "CohereForCausalLM",
         _config("CohereConfig", **_LAYOUT, logit_scale=0.5),
         "parallel attention and MLP from one LayerNorm, interleaved RoPE, logit_scale",
+        fp32_norms=True,
     ),
     CatalogModel(
         "cohere-qk_norm",
         "CohereForCausalLM",
         _config("CohereConfig", **_LAYOUT, logit_scale=0.5, use_qk_norm=True),
         "as cohere, with per-head q/k LayerNorms (use_qk_norm)",
+        fp32_norms=True,
     ),
     CatalogModel(
         "cohere2",
@@ -361,6 +378,7 @@ _ENTRIES = [
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
         f"sliding({WINDOW}) RoPE layers and a NoPE full layer, parallel attention and MLP, logit_scale",
+        fp32_norms=True,
     ),
     CatalogModel(
         "smollm3",
