@@ -6,8 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.minseq.mlp import minseq_mlp
 from tests.conftest import ShapeRecorder
+from tests.model_catalog import build_catalog_model
+
+# Catalog models whose layer 0 is a mixture-of-experts block (4 experts, top-2, hidden 32, fp64, eager experts).
+MOE_MODELS = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"]
 
 
 class GatedMLP(nn.Module):
@@ -138,3 +143,37 @@ def test_bf16_autocast_is_replayed_in_backward(chunks):
     torch.testing.assert_close(got_out, ref_out, rtol=0, atol=0)
     for got, want in zip(got_grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_dense_chunk_is_bitwise_the_mlp_on_its_rows():
+    """Chunks are (1, n, H) views of the flattened rows: a dense MLP computes on them what it computes on (n, H)."""
+    module = GatedMLP(8, 24)
+    x = torch.randn(3, 7, 8, requires_grad=True)
+    rows = x.reshape(-1, 8)
+    want = torch.cat([module(rows[a:b]) for a, b in chunk_bounds(21, 4)]).reshape(3, 7, 8)
+    assert torch.equal(minseq_mlp(module, x, list(module.parameters()), 4), want)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_a_mixture_of_experts_block_in_chunks_is_the_block(name):
+    """The block as a whole (router, experts, qwen2_moe's gated shared expert; gpt-oss's tuple with its router
+    scores) on 22 tokens in 4 chunks that cut across the two sequences, against the unchunked block."""
+    block = build_catalog_model(name).model.layers[0].mlp
+    params = list(block.parameters())
+    x = torch.randn(2, 11, 32, dtype=torch.float64)
+    results = []
+    for chunks in (None, 4):
+        xg = x.clone().requires_grad_(True)
+        out = block(xg) if chunks is None else minseq_mlp(block, xg, params, chunks)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.manual_seed(1)
+        upstream = [torch.randn_like(o) for o in outs]
+        results.append((outs, torch.autograd.grad(outs, [xg, *params], upstream, allow_unused=True)))
+    (want, want_grads), (got, got_grads) = results
+    assert [o.shape for o in got] == [o.shape for o in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    for g, w in zip(got_grads, want_grads):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-13)
