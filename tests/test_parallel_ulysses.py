@@ -1,11 +1,19 @@
 """Ulysses head/sequence exchange: layout, round trip, GQA replication, autograd, and an attention core run
 as an explicit forward/backward pair (as a layer executor calls it) against plain full-sequence attention."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import eager_mask, sliding_window_causal_mask_function
 
+from hf_memo.parallel.attention import ulysses_attention
 from hf_memo.parallel.groups import sequence_parallel_groups
+from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.ulysses import (
     gather_heads_scatter_sequence,
     replicate_kv_heads,
@@ -14,6 +22,8 @@ from hf_memo.parallel.ulysses import (
     scatter_heads_gather_sequence_differentiable,
     sum_replicated_kv_heads,
 )
+from hf_memo.runtime.attention_core import attention_backward, attention_forward
+from hf_memo.runtime.attention_traits import AttentionTraits
 from tests.multiprocess import run_processes
 
 BATCH, HEADS, SEQ, DIM = 2, 8, 12, 4
@@ -103,7 +113,80 @@ def _exchange_worker(rank, world):
             }
             plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             results[f"sp{sp}-kv{kv_heads}"]["core_vs_sdpa"] = (want_out - plain).abs().max().item()
+        results[f"sp{sp}-memo-traits"] = _memo_core_with_traits(groups, sp, seed)
+        results[f"sp{sp}-autograd-traits"] = _autograd_attention_with_traits(groups, sp, seed)
     return results
+
+
+def _max_error(got, want):
+    return (got - want).abs().max().item()
+
+
+def _memo_core_with_traits(groups, sp, seed):
+    """The memo executor's Ulysses core with a window, soft-capped scores and sinks against the local core on the
+    whole sequence: each rank's dsinks is its heads' share (zero elsewhere), the group's sum the whole gradient."""
+    q, grad_out = _full((BATCH, HEADS, SEQ, DIM), seed + 6), _full((BATCH, HEADS, SEQ, DIM), seed + 7)
+    k, v = (_full((BATCH, 2, SEQ, DIM), seed + s) for s in (8, 9))
+    traits = AttentionTraits(0.4, window=5, softcap=2.0, sinks=_full((HEADS,), seed + 10))
+    want_out, want_stats = attention_forward(q, k, v, traits)
+    wants = (want_out, *attention_backward(grad_out, q, k, v, want_out, want_stats, traits))
+    core = UlyssesAttention(groups.group, sp)
+    local = [_seq_shard(t, groups.sp_rank, sp) for t in (q, k, v, grad_out)]
+    out, stats = core.forward(*local[:3], traits)
+    dq, dk, dv, dsinks = core.backward(local[3], *local[:3], out, stats, traits)
+    others = dsinks.clone()
+    others[groups.sp_rank * HEADS // sp : (groups.sp_rank + 1) * HEADS // sp] = 0
+    dist.all_reduce(dsinks, group=groups.group)
+    errors = {
+        n: _max_error(g, _seq_shard(w, groups.sp_rank, sp))
+        for n, g, w in zip(["out", "dq", "dk", "dv"], (out, dq, dk, dv), wants)
+    }
+    return {**errors, "dsinks": _max_error(dsinks, wants[4]), "dsinks_of_other_heads": others.abs().max().item()}
+
+
+def _sink_attention(module, query, key, value, attention_mask, scaling, s_aux, **kwargs):
+    """A transformers attention implementation that reads the sinks from ``s_aux`` (as flash-attention 3 does)."""
+    groups = module.num_key_value_groups
+    scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2) * scaling
+    scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
+    sinks = s_aux.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+    return (probs @ value.repeat_interleave(groups, 1)).transpose(1, 2), None
+
+
+def _autograd_attention_with_traits(groups, sp, seed):
+    """Ulysses for the non-memo modes: sdpa beyond its sliding window (against sdpa with transformers' sliding mask
+    on the whole sequence), and an implementation reading the sinks from ``s_aux``, which reaches it sliced to the
+    rank's heads (the group's sinks gradients add up to the whole one)."""
+    AttentionInterface.register("hf_memo_test_sinks", _sink_attention)
+    module = torch.nn.Module()
+    module.config, module.num_key_value_groups, module.is_causal = SimpleNamespace(), HEADS // 2, True
+    q, grad_out = _full((BATCH, HEADS, SEQ, DIM), seed + 11), _full((BATCH, SEQ, HEADS, DIM), seed + 12)
+    k, v = (_full((BATCH, 2, SEQ, DIM), seed + s) for s in (13, 14))
+    sinks = _full((HEADS,), seed + 15)
+    mask = eager_mask(BATCH, SEQ, SEQ, mask_function=sliding_window_causal_mask_function(5), dtype=torch.float64)
+    errors = {}
+    for inner, extra in (("sdpa", {"sliding_window": 5}), ("hf_memo_test_sinks", {"s_aux": sinks})):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        whole = {**extra, "s_aux": leaves[3]} if "s_aux" in extra else extra
+        reference = sdpa_attention_forward if inner == "sdpa" else _sink_attention
+        want, _ = reference(module, *leaves[:3], mask if inner == "sdpa" else None, scaling=0.4, **whole)
+        want.backward(grad_out)
+        local = [_seq_shard(t, groups.sp_rank, sp).detach().requires_grad_(True) for t in (q, k, v)]
+        local_sinks = sinks.clone().requires_grad_(True)
+        mine = {**extra, "s_aux": local_sinks} if "s_aux" in extra else extra
+        module.training = True
+        out, _ = ulysses_attention(module, *local, None, inner=inner, sp_size=sp, scaling=0.4, **mine)
+        out.backward(grad_out[:, groups.sp_rank * SEQ // sp : (groups.sp_rank + 1) * SEQ // sp])
+        errors[f"{inner}-out"] = _max_error(
+            out, want.detach()[:, groups.sp_rank * SEQ // sp : (groups.sp_rank + 1) * SEQ // sp]
+        )
+        for name, got, leaf in zip("qkv", local, leaves):
+            errors[f"{inner}-d{name}"] = _max_error(got.grad, _seq_shard(leaf.grad, groups.sp_rank, sp))
+        if "s_aux" in extra:
+            dist.all_reduce(local_sinks.grad, group=groups.group)
+            errors[f"{inner}-dsinks"] = _max_error(local_sinks.grad, leaves[3].grad)
+    return errors
 
 
 def test_exchange_and_attention_core_on_four_ranks():
@@ -116,4 +199,4 @@ def test_exchange_and_attention_core_on_four_ranks():
             for name, error in errors.items():
                 assert error < 1e-12, f"rank {rank}, {case}: {name} differs by {error}"
                 checked += 1
-    assert checked == 4 * (2 * 4 + 4 * 5 + 4 * 5)
+    assert checked == 4 * (2 * 4 + 4 * 5 + 4 * 5 + 2 * 6 + 2 * 9)

@@ -210,3 +210,48 @@ def test_offloading_every_token_stashes_one_copy_of_the_attention_output(chunks)
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class TraitsSplit(ToySplit):
+    """A layer whose attention has a sliding window, soft-capped scores and sinks, a parameter of the layer."""
+
+    def __init__(self, params, positions, sinks):
+        super().__init__(params, positions)
+        self.sinks = sinks
+
+    @property
+    def traits(self):
+        return AttentionTraits(self.scale, window=4, softcap=2.0, sinks=self.sinks)
+
+    def params(self):
+        return [*super().params(), self.sinks]
+
+
+def _traits_reference(split, x):
+    """The layer with its attention written out: capped scores, the window, the sink in the softmax."""
+    q, k, v = split.project(x, 0, x.shape[1])
+    scores = q @ expand_kv(k, HEADS // KV_HEADS).transpose(-1, -2) * split.scale
+    scores = 2.0 * torch.tanh(scores / 2.0)
+    i, j = torch.arange(x.shape[1])[:, None], torch.arange(x.shape[1])
+    scores = scores.masked_fill((j > i) | (j <= i - 4), -torch.inf)
+    sinks = split.sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+    o = probs @ expand_kv(v, HEADS // KV_HEADS)
+    return split.finish(x, o.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+@pytest.mark.parametrize("alpha_chunks", [0, 3])
+@pytest.mark.parametrize("keep_attention", [True, False], ids=["X+attn", "X-only"])
+def test_attention_traits_reach_the_core_and_the_sinks_get_their_gradient(alpha_chunks, keep_attention):
+    """The split's traits go to the core in forward, in an input-only layer's recomputation and in backward; the
+    core's dsinks is added to the gradient of the parameter the sinks are."""
+    params = [*_params(), torch.randn(HEADS, dtype=torch.float64, requires_grad=True)]
+    split = TraitsSplit(params[:-1], torch.linspace(0.5, 1.5, 11, dtype=torch.float64), params[-1])
+    x = torch.randn(2, 11, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(2, 11, HIDDEN, dtype=torch.float64)
+    want_y, want_grads = _run(lambda t: _traits_reference(split, t), x, params, upstream)
+    fn, _ = _memo(split, 0, 3, alpha_chunks, keep_attention=keep_attention)
+    got_y, got_grads = _run(fn, x, params, upstream)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

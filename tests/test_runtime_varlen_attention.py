@@ -225,5 +225,5 @@ def test_a_window_over_padding_that_attends_is_none_within_its_reach_and_refused
     plain, _ = VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3))
     windowed, _ = VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3, window=7))
     assert torch.equal(windowed, plain)
-    with pytest.raises(ValueError, match="sliding window of 6 tokens over padding that attends"):
+    with pytest.raises(ValueError, match="sliding window of 6 tokens and padding with targets .* over 7 tokens"):
         VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3, window=6))

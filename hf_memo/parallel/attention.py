@@ -6,6 +6,12 @@ attention layer whose config (an :class:`AttentionConfigView`) names it runs thr
 rank's tokens) are exchanged for the whole sequence of ``h / sp`` heads, the wrapped implementation
 runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``. Outside training the
 wrapped implementation runs directly, with the model's own mask.
+
+The layer's attention keywords reach the wrapped implementation as they are (``sliding_window`` and
+``softcap`` apply within each whole sequence a rank holds), except the sinks (gpt-oss's ``s_aux``, one per
+query head), which are sliced to this rank's heads (their gradient: this rank's contribution, zero for the
+other heads). ``sdpa`` takes a sliding window only through an ``S x S`` mask, so where the window hides keys
+:func:`sdpa_with_window` computes it with hf_memo's attention core instead.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hf_memo.parallel.collectives import all_to_all_differentiable
 from hf_memo.parallel.groups import sequence_parallel_groups
 from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
+from hf_memo.runtime.attention_function import core_attention
+from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, BatchLayout
 from hf_memo.runtime.varlen_attention import attend_per_sample
 
@@ -72,6 +80,49 @@ class InnerModuleView:
         return getattr(self._module, name)
 
 
+def sdpa_with_window(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention for a causal call without a mask, its ``sliding_window`` applied.
+
+    transformers builds a sliding-window mask for ``sdpa``; a call without one (a sample of per-sample attention,
+    the whole sequences after Ulysses' exchange) would attend beyond the window. Where the window hides keys
+    (more queries than ``sliding_window``), hf_memo's attention core computes what ``sdpa`` computes with that
+    mask, in ``O(S * window)``, differentiable (:func:`~hf_memo.runtime.attention_function.core_attention`); as
+    ``sdpa``, it computes no sinks. Any other call is ``sdpa``'s.
+
+    Args:
+        query: ``(B, h, S, D)``; key, value: ``(B, h_kv, S, D)``.
+        kwargs: ``scaling``, ``dropout``, ``sliding_window`` and whatever else ``sdpa`` takes.
+
+    Returns:
+        ``((B, S, h, D), None)``.
+    """
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    window = kwargs.get("sliding_window")
+    if attention_mask is not None or window is None or query.shape[2] <= window or kwargs.get("softcap") is not None:
+        return sdpa(module, query, key, value, attention_mask, **kwargs)  # sdpa refuses a soft-cap itself
+    scaling = kwargs.get("scaling")
+    traits = AttentionTraits(
+        query.shape[-1] ** -0.5 if scaling is None else scaling, float(kwargs.get("dropout") or 0.0), window
+    )
+    return core_attention(query, key, value, traits).transpose(1, 2), None
+
+
+def _rank_sinks(kwargs: dict[str, Any], heads: int, sp_size: int, sp_rank: int) -> dict[str, Any]:
+    """``kwargs`` with the sinks (``s_aux``, ``(h,)``) sliced to the ``h / sp`` query heads rank ``sp_rank`` holds."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return kwargs
+    step = heads // sp_size
+    return {**kwargs, "s_aux": sinks[sp_rank * step : (sp_rank + 1) * step]}
+
+
 def ulysses_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -103,13 +154,11 @@ def ulysses_attention(
     layout = kwargs.pop(LAYOUT_KEYWORD, None)
     if not module.training:
         return attend(InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window")
-    if inner == "sdpa" and window is not None and query.shape[2] * sp_size > window:
-        raise ValueError(
-            f"sliding-window attention (window {window}) over {query.shape[2] * sp_size} tokens needs a mask, which "
-            "sequence-parallel sdpa cannot build: use attn_implementation='flash_attention_2' or shorter sequences"
-        )
-    group = sequence_parallel_groups(sp_size).group
+    if inner == "sdpa":
+        attend = sdpa_with_window
+    groups = sequence_parallel_groups(sp_size)
+    group = groups.group
+    kwargs = _rank_sinks(kwargs, query.shape[1], sp_size, groups.sp_rank)
     query = scatter_heads_gather_sequence_differentiable(query, group)
     key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
     value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)

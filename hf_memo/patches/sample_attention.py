@@ -8,6 +8,12 @@ one causal call of the wrapped implementation: samples never attend to each othe
 nothing, and transformers needs to build no ``S x S`` mask. Recomputations (``recompute="full"``,
 ``"selective"``, Hugging Face checkpointing) get the layout again with the layer's arguments. Any
 other call runs the wrapped implementation with transformers' own mask.
+
+A layer's attention keywords (scaling, dropout, ``sliding_window``, ``softcap``, ``s_aux``) reach each call as
+they are, so each sample gets what the wrapped implementation computes for it. ``sdpa`` applies a sliding window
+only through the mask transformers builds, so for samples longer than the window
+:func:`~hf_memo.parallel.attention.sdpa_with_window` computes the windowed attention with hf_memo's attention
+core (no ``S x S`` mask, ``O(S * window)``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_memo.parallel.attention import WRAPPABLE, AttentionConfigView, InnerModuleView
+from hf_memo.parallel.attention import WRAPPABLE, AttentionConfigView, InnerModuleView, sdpa_with_window
 from hf_memo.parallel.causal_lm import attention_modules
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.varlen_attention import attend_per_sample
@@ -43,21 +49,14 @@ def sample_attention(
     Without a layout in ``kwargs`` (evaluation, generation, calls without labels), or with one whose
     padding attends (``padding_attends``: transformers' masks give that padding its attention), ``inner``
     runs with ``attention_mask`` as transformers built it.
-
-    Raises:
-        ValueError: ``sdpa`` with a sliding window shorter than the longest sample (it needs a mask).
     """
     attend = ALL_ATTENTION_FUNCTIONS[inner]
     layout = kwargs.pop(LAYOUT_KEYWORD, None)
     view = InnerModuleView(module, inner)
     if layout is None or layout.padding_attends:
         return attend(view, query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window")
-    if inner == "sdpa" and window is not None and layout.longest() > window:
-        raise ValueError(
-            f"sliding-window attention (window {window}) over samples of up to {layout.longest()} tokens needs a "
-            "mask, which per-sample sdpa does not build: use attn_implementation='flash_attention_2' or shorter samples"
-        )
+    if inner == "sdpa":
+        attend = sdpa_with_window
     return attend_per_sample(attend, view, query, key, value, layout, kwargs), None
 
 

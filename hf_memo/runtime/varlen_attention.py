@@ -145,9 +145,9 @@ class VarlenAttention:
             return replace(traits, window=None)
         if self.layout.padding_attends:
             raise ValueError(
-                f"a sliding window of {traits.window} tokens over padding that attends to a sample of up to "
-                f"{self.layout.reach()} tokens (labels on padding after a sample): mask the padding's labels "
-                "with -100, or pack the samples without padding"
+                f"this layer uses a sliding window of {traits.window} tokens and padding with targets (labels not "
+                f"-100 after the sample) attends over {self.layout.reach()} tokens, which transformers' masks limit "
+                "to the window: set the padding's labels to -100, or use recompute='selective'"
             )
         return traits
 
