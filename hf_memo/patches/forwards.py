@@ -28,6 +28,13 @@ from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.family import Family
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.packing import describe_training_batch
+from hf_memo.patches.router_logits import (
+    RouterLogitsSplit,
+    RouterLogitsTap,
+    router_aux_loss,
+    router_aux_loss_coef,
+    wants_router_logits,
+)
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
@@ -48,13 +55,17 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in params if p.requires_grad]
 
 
-def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
-    """MLP over ``x`` ``(B, S, H)`` in mini-sequences; ``width`` is the MLP's intermediate size ``I``."""
+def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor) -> Any:
+    """MLP (dense or mixture of experts) over ``x`` ``(B, S, H)`` in mini-sequences; ``width`` is the MLP's
+    intermediate size ``I``. Returns what the MLP returns (``(B, S, H)``; gpt-oss: with its ``(B * S, k)`` router
+    scores). The router logits of a mixture-of-experts block reach transformers' output recording as one
+    ``(B * S, E)`` tensor per router, with gradient (:class:`~hf_memo.patches.router_logits.RouterLogitsTap`)."""
     tokens = x.numel() // x.shape[-1]
     chunks = resolve_chunks(
         config.mlp_chunks, tokens, width, x.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
     )
-    return minseq_mlp(inner, x, trainable_params(module), chunks)
+    tap = RouterLogitsTap(inner)
+    return tap.recorded(minseq_mlp(tap, x, trainable_params(module), chunks))
 
 
 class FinalNormDeferral:
@@ -99,7 +110,10 @@ def causal_lm_forward(
     :mod:`hf_memo.runtime.head_offload`). ``logits`` is ``None`` in the output; ``hidden_states``
     (``output_hidden_states=True``) are transformers' own, the last one after the final norm.
     Everything else (evaluation, ``generate()``, calls without labels) goes to the original forward
-    unchanged. With ``sequence_parallel``, the backbone and the loss run on this rank's shard of the
+    unchanged. A mixture-of-experts model collecting router logits (``output_router_logits``, the argument or the
+    config) adds ``router_aux_loss_coef`` times its own load-balancing loss to the loss and returns ``aux_loss`` and
+    ``router_logits`` (one ``(B * S, E)`` per MoE layer, with gradient in every mode), as transformers does. With
+    ``sequence_parallel``, the backbone and the loss run on this rank's shard of the
     sequence and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
     """
     if not model.training:  # evaluation and generate(): no argument binding, so torch.compile traces it whole
@@ -118,6 +132,13 @@ def causal_lm_forward(
         zero3.ensure()
     if "use_cache" in signature.parameters:
         arguments["use_cache"] = False  # a training step builds no cache (only then are packed samples detected)
+    user_mask = arguments.get("attention_mask")  # the caller's (B, S) mask: the router aux loss counts its tokens
+    routed = wants_router_logits(model, arguments.get("output_router_logits", extra.get("output_router_logits")))
+    if routed and sequence_parallel is not None:
+        raise ValueError(
+            "hf_memo does not compute the router aux loss under sequence parallelism (each rank would balance its "
+            "own shard of the sequence): pass output_router_logits=False"
+        )
     arguments = describe_training_batch(model, arguments, labels, extra, per_sample=sequence_parallel is not None)
     if sequence_parallel is not None:
         arguments, extra = sequence_parallel.shard(arguments, extra, labels)
@@ -156,7 +177,11 @@ def causal_lm_forward(
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
     fields = family.output_class.__dataclass_fields__
-    result = family.output_class(loss=loss, **{k: v for k, v in outputs.items() if k in fields and k != "logits"})
+    values = {k: v for k, v in outputs.items() if k in fields and k != "logits"}
+    if routed:  # as the model's own forward: its load-balancing loss over the router logits of every MoE layer
+        values["aux_loss"] = router_aux_loss(model, outputs.router_logits, user_mask)
+        loss = loss + router_aux_loss_coef(model) * values["aux_loss"].to(loss.device)
+    result = family.output_class(loss=loss, **values)
     if result.hidden_states is not None:
         result.hidden_states = _normed_last(backbone, norm, result.hidden_states, hidden)
     return result if return_dict else result.to_tuple()
@@ -279,7 +304,9 @@ def memo_layer_forward(
     if sequence_parallel is not None:
         core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, core)
     alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
-    return MemoLayerFunction.apply(runtime, split, core, index, bounds, alpha_chunks, hidden, *params)
+    return RouterLogitsSplit.recorded(
+        MemoLayerFunction.apply(runtime, RouterLogitsSplit(split), core, index, bounds, alpha_chunks, hidden, *params)
+    )
 
 
 def layer_config(layer: nn.Module) -> Any:

@@ -26,13 +26,17 @@ tensor moved into the layer's :class:`~hf_memo.runtime.stash.LayerStash`; the ot
 without a graph and are recomputed chunk by chunk in backward from the stashed layer input and
 attention output (recomputed first if the layer keeps its input only). The stash goes to host memory
 or stays on the device, as the layer's policy says.
+
+``finish`` may also return side outputs with one row per token (a mixture-of-experts layer's router logits,
+``(B * s, E)``): the layer function returns each for the whole sequence, ``(B * S, ...)`` in batch-major order,
+after its output, and backward differentiates every chunk's side outputs together with its output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -64,7 +68,10 @@ class LayerSplit(Protocol):
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor: ...
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``y_rows (B, s, H)``, or ``(y_rows, *side)``: side outputs with one row per token ``(B * s, ...)``,
+        batch-major (a mixture-of-experts layer's router logits), the same count for every chunk."""
+        ...
 
     def kept(self) -> list[torch.Tensor]:
         """Tensors that are never stashed: the layer's parameters and buffers, shared RoPE tables."""
@@ -149,6 +156,31 @@ def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return t[:, start:stop]
 
 
+def _finished(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``finish``'s result as ``(y_rows (B, s, H), side outputs (B * s, ...))``."""
+    return (out, ()) if isinstance(out, torch.Tensor) else (out[0], tuple(out[1:]))
+
+
+def _chunk_outputs(
+    y: Any,
+    sides: list[Any],
+    grad_y: torch.Tensor | None,
+    grad_sides: tuple[torch.Tensor | None, ...],
+    batch: int,
+    start: int,
+    stop: int,
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """What one chunk differentiates: its output ``y`` (a tensor or gradient edge) and each differentiable side
+    output (``None`` where not), with their rows of the gradients of the layer's outputs, ``grad_y`` ``(B, S, H)``
+    and ``grad_sides`` ``(B * S, ...)`` each; an output whose gradient is ``None`` (nothing read it) is left out."""
+    outputs, upstream = ([y], [_rows(grad_y, start, stop)]) if grad_y is not None else ([], [])
+    for side, grad in zip(sides, grad_sides):
+        if side is not None and grad is not None:
+            outputs.append(side)
+            upstream.append(_rows(grad.unflatten(0, (batch, -1)), start, stop).flatten(0, 1))
+    return outputs, upstream
+
+
 def _gather_heads(parts: list[torch.Tensor]) -> torch.Tensor:
     """Chunks ``(B, h, s_i, D)`` -> ``(B, h, S, D)``, a view of ``(B, S, h, D)`` memory (one copy)."""
     return torch.cat([t.transpose(1, 2) for t in parts], dim=1).transpose(1, 2)
@@ -230,46 +262,54 @@ class MemoLayerFunction(torch.autograd.Function):
             post_hooks = stash_hooks(stash, split.kept(), stash_them=False, recomputed=ctx.recomputed_out)
         o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)  # a view: out is (B, S, h, D) in memory
 
-        y = None
+        y, sides = None, []
         ctx.post_graphs, ctx.post_replays = [], []
         for chunk, (start, stop) in enumerate(bounds):
             if chunk < len(offloaded):
                 with torch.enable_grad(), post_hooks:
                     x_in = _Source.apply(anchor, _rows(x, start, stop))
                     o_in = _Source.apply(anchor, _rows(o_rows, start, stop))
-                    y_rows = split.finish(x_in, o_in)
+                    y_rows, side = _finished(split.finish(x_in, o_in))
+                    side_edges = [get_gradient_edge(t) if t.requires_grad else None for t in side]
                     ctx.post_graphs.append(
-                        (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows))
+                        (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows), side_edges)
                     )
-                    y_rows = y_rows.detach()
+                    y_rows, side = y_rows.detach(), [t.detach() for t in side]
             else:
                 ctx.post_replays.append(ReplayState.capture(x.device))
                 with torch.no_grad():
-                    y_rows = split.finish(_rows(x, start, stop), _rows(o_rows, start, stop))
+                    y_rows, side = _finished(split.finish(_rows(x, start, stop), _rows(o_rows, start, stop)))
             if y is None:
                 y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
+                sides = [t.new_empty((*x.shape[:2], *t.shape[1:])) for t in side]
             y[:, start:stop] = y_rows
+            for full, t in zip(sides, side):
+                full[:, start:stop] = t.unflatten(0, (x.shape[0], -1))
         del out, o_rows, stats
         stash.seal()
         runtime.sealed(index, stash)
         ctx.runtime, ctx.split, ctx.core, ctx.index, ctx.bounds, ctx.stash = runtime, split, core, index, bounds, stash
         ctx.alpha_chunks, ctx.keep_attention = alpha_chunks, keep_attention
         ctx.save_for_backward(*params)
-        return y
+        ctx.set_materialize_grads(False)  # an output nothing read (the aux loss alone, unused logits) costs nothing
+        return (y, *(t.flatten(0, 1) for t in sides)) if sides else y
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        with autocast_cache_kept(grad_y.device):  # each weight cast once, not once per recomputed chunk
-            return MemoLayerFunction._backward(ctx, grad_y)
+    def backward(ctx, grad_y: torch.Tensor | None, *grad_sides: torch.Tensor | None):
+        device = next(g.device for g in (grad_y, *grad_sides) if g is not None)
+        with autocast_cache_kept(device):  # each weight cast once, not once per recomputed chunk
+            return MemoLayerFunction._backward(ctx, device, grad_y, grad_sides)
 
     @staticmethod
-    def _backward(ctx, grad_y: torch.Tensor) -> tuple:
+    def _backward(
+        ctx, device: torch.device, grad_y: torch.Tensor | None, grad_sides: tuple[torch.Tensor | None, ...]
+    ) -> tuple:
         stash: LayerStash = ctx.stash
         split: LayerSplit = ctx.split
         params = ctx.saved_tensors
         # retain_graph=True: everything the layer keeps stays for the next backward through this graph
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        ctx.runtime.backward_started(stash, grad_y.device)
+        ctx.runtime.backward_started(stash, device)
         wanted = list(ctx.needs_input_grad[7:])
         wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
@@ -288,23 +328,20 @@ class MemoLayerFunction(torch.autograd.Function):
         grad_o = torch.empty_like(o_rows)
         offloaded, recomputed = ctx.bounds[: ctx.alpha_chunks], ctx.bounds[ctx.alpha_chunks :]
 
-        for (start, stop), (x_edge, o_edge, y_edge) in zip(offloaded, ctx.post_graphs):
+        for (start, stop), (x_edge, o_edge, y_edge, side_edges) in zip(offloaded, ctx.post_graphs):
+            outputs, upstream = _chunk_outputs(y_edge, side_edges, grad_y, grad_sides, x.shape[0], start, stop)
             grads = torch.autograd.grad(
-                [y_edge],
-                [x_edge, o_edge, *wanted_params],
-                [_rows(grad_y, start, stop)],
-                retain_graph=keep,
-                allow_unused=True,
+                outputs, [x_edge, o_edge, *wanted_params], upstream, retain_graph=keep, allow_unused=True
             )
             grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
         for (start, stop), replay in zip(recomputed, ctx.post_replays):
             x_rows = _rows(x, start, stop).detach().requires_grad_(True)
             o_in = _rows(o_rows, start, stop).detach().requires_grad_(True)
             with torch.enable_grad(), replay.replay():
-                y_rows = split.finish(x_rows, o_in)
-            grads = torch.autograd.grad(
-                y_rows, [x_rows, o_in, *wanted_params], _rows(grad_y, start, stop), allow_unused=True
-            )
+                y_rows, side = _finished(split.finish(x_rows, o_in))
+            side = [t if t.requires_grad else None for t in side]
+            outputs, upstream = _chunk_outputs(y_rows, side, grad_y, grad_sides, x.shape[0], start, stop)
+            grads = torch.autograd.grad(outputs, [x_rows, o_in, *wanted_params], upstream, allow_unused=True)
             grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
 
         if q is None:
@@ -334,7 +371,7 @@ class MemoLayerFunction(torch.autograd.Function):
             (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
             grad_x[:, start:stop] += grad_pre
         stash.release(keep)
-        ctx.runtime.backward_done(stash, grad_y.device)
+        ctx.runtime.backward_done(stash, device)
         if ctx.recomputed_out is not None:
             ctx.recomputed_out.value = None
         if not keep:
