@@ -13,12 +13,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hf_memo
 from hf_memo.runtime import flash_attn_package
 from hf_memo.runtime.attention_core import attention_backward, attention_forward, backend_for
+from hf_memo.runtime.attention_traits import AttentionTraits
 from tests.conftest import build_model, make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA attention kernels need a GPU")
 
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 2e-4}
 KERNEL = {"cuda-flash": SDPBackend.FLASH_ATTENTION, "cuda-efficient": SDPBackend.EFFICIENT_ATTENTION}
+PLAIN = AttentionTraits(0.125)
 
 
 @pytest.fixture
@@ -67,11 +69,11 @@ class _FlashCalls(TorchDispatchMode):
 def test_values_gradients_and_layout_against_sdpa(torch_kernels, dtype, kv_heads):
     q, k, v, upstream = _inputs(dtype, 4, kv_heads)
     with _FlashCalls() as calls:
-        out, stats = attention_forward(q, k, v, 0.125)
-    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125)
+        out, stats = attention_forward(q, k, v, PLAIN)
+    dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, PLAIN)
     want, grads = _sdpa(q, k, v, upstream, 0.0)
     assert out.transpose(1, 2).is_contiguous()  # (B, S, h, D) memory: the executor's rows are views
-    if backend_for(q) == "cuda-flash":
+    if backend_for(q, PLAIN) == "cuda-flash":
         assert calls.kv_heads == [kv_heads]  # grouped K/V not expanded for the flash kernel
     for got, ref in zip((out, dq, dk, dv), (want, *grads)):
         assert got.shape == ref.shape
@@ -84,10 +86,11 @@ def test_dropout_mask_is_the_kernels_and_is_replayed_in_backward(torch_kernels, 
     (from the kept seed/offset) must then give SDPA's gradients. The efficient kernel needs equal head counts
     under SDPA, so it is checked without grouping."""
     q, k, v, upstream = _inputs(dtype, 4, kv_heads)
-    backend = backend_for(q, 0.2)
+    traits = AttentionTraits(0.125, 0.2)
+    backend = backend_for(q, traits)
     torch.cuda.manual_seed(7)
-    out, stats = attention_forward(q, k, v, 0.125, 0.2)
-    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125)
+    out, stats = attention_forward(q, k, v, traits)
+    dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, traits)
     torch.cuda.manual_seed(7)
     want, grads = _sdpa(q, k, v, upstream, 0.2, KERNEL[backend])
     assert stats.dropout_p == 0.2
@@ -104,10 +107,11 @@ def test_flash_attn_backend_against_flash_attn_func(dropout_p):
     from flash_attn import flash_attn_func
 
     q, k, v, upstream = _inputs(torch.bfloat16, 4, 1)
-    assert backend_for(q) == "flash-attn"
+    traits = AttentionTraits(0.125, dropout_p)
+    assert backend_for(q, traits) == "flash-attn"
     torch.cuda.manual_seed(3)
-    out, stats = attention_forward(q, k, v, 0.125, dropout_p)
-    grads = attention_backward(upstream, q, k, v, out, stats, 0.125)
+    out, stats = attention_forward(q, k, v, traits)
+    grads = attention_backward(upstream, q, k, v, out, stats, traits)[:3]
     leaves = [t.detach().transpose(1, 2).clone().requires_grad_(True) for t in (q, k, v)]
     torch.cuda.manual_seed(3)
     want = flash_attn_func(*leaves, dropout_p=dropout_p, softmax_scale=0.125, causal=True)
@@ -150,11 +154,38 @@ def test_non_causal_blocks_of_other_key_lengths_against_sdpa(torch_kernels, dtyp
     """``causal=False`` with fewer queries than keys (the trained padding after a sample over its tokens)."""
     q, _, _, upstream = _inputs(dtype, 4, kv_heads, seq=70)
     _, k, v, _ = _inputs(dtype, 4, kv_heads, seq=230)
-    out, stats = attention_forward(q, k, v, 0.125, causal=False)
-    dq, dk, dv = attention_backward(upstream, q, k, v, out, stats, 0.125, causal=False)
+    out, stats = attention_forward(q, k, v, PLAIN, causal=False)
+    dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, PLAIN, causal=False)
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*leaves, scale=0.125, enable_gqa=kv_heads != 4)
     want.backward(upstream)
     for got, ref in zip((out, dq, dk, dv), (want.detach(), *(t.grad for t in leaves))):
         assert got.shape == ref.shape
         _close(got, ref, dtype)
+
+
+def _explicit_fp64(q, k, v, upstream, traits):
+    """The explicit kernel in fp64 on the same device: the reference for the kernels' traits."""
+    wide = [t.double() for t in (q, k, v, upstream)]
+    sinks = None if traits.sinks is None else traits.sinks.double()
+    wide_traits = AttentionTraits(traits.scale, traits.dropout_p, traits.window, traits.softcap, sinks)
+    out, stats = attention_forward(*wide[:3], wide_traits)
+    return out, attention_backward(wide[3], *wide[:3], out, stats, wide_traits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window,softcap,sinks", [(64, None, False), (None, 30.0, False), (64, 30.0, True)])
+def test_traits_on_the_gpu_against_the_explicit_kernel_in_fp64(dtype, window, softcap, sinks):
+    """A window on PyTorch's flash kernel (bf16) or the explicit one (fp32), soft-capping on flash-attn or the
+    explicit kernel, sinks composed with either: values and gradients (the sinks' included) against fp64."""
+    q, k, v, upstream = _inputs(dtype, 4, 2)
+    sink_logits = torch.randn(4, device="cuda") if sinks else None
+    traits = AttentionTraits(0.125, 0.0, window, softcap, sink_logits)
+    out, stats = attention_forward(q, k, v, traits)
+    grads = attention_backward(upstream, q, k, v, out, stats, traits)
+    want_out, want_grads = _explicit_fp64(q, k, v, upstream, traits)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    for got, want in zip((out, *grads), (want_out, *want_grads)):
+        if want is not None:
+            _close(got, want, dtype)
+    assert (grads[3] is None) == (not sinks)

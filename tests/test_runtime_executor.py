@@ -255,3 +255,29 @@ def test_attention_traits_reach_the_core_and_the_sinks_get_their_gradient(alpha_
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+class _CopiedSinks(TraitsSplit):
+    """The attention call gets a copy of the sinks parameter, not the parameter itself."""
+
+    def __init__(self, params, positions, sinks):
+        super().__init__(params, positions, sinks)
+        self.copy = sinks * 1.0
+
+    @property
+    def traits(self):
+        return AttentionTraits(self.scale, window=4, softcap=2.0, sinks=self.copy)
+
+
+@pytest.mark.parametrize("trained", [True, False])
+def test_sinks_that_need_a_gradient_but_are_no_parameter_of_the_layer_are_refused(trained):
+    """A copy of the sinks parameter would lose its gradient: refused; a copy of frozen sinks needs none."""
+    sinks = torch.randn(HEADS, dtype=torch.float64, requires_grad=trained)
+    params = [*_params(), sinks]
+    fn, _ = _memo(_CopiedSinks(params[:-1], torch.ones(6, dtype=torch.float64), sinks), 0, 2, 1)
+    x, upstream = (torch.randn(1, 6, HIDDEN, dtype=torch.float64) for _ in "xy")
+    if trained:
+        with pytest.raises(RuntimeError, match="sinks need a gradient but are none of its parameters"):
+            _run(fn, x, params, upstream)
+    else:
+        _run(fn, x, params[:-1], upstream)

@@ -147,9 +147,22 @@ def _accumulate(grads: list, need_x: int, sums: GradSum, wanted: list[bool]) -> 
 def _add_sinks_grad(
     sums: GradSum, params: tuple[torch.Tensor, ...], sinks: torch.Tensor | None, dsinks: torch.Tensor | None
 ) -> None:
-    """Add the attention core's ``dsinks`` ``(h,)`` to the gradient of the parameter ``sinks`` is (by identity)."""
-    if dsinks is not None:
-        sums.add([dsinks if p is sinks else None for p in params])
+    """Add the attention core's ``dsinks`` ``(h,)`` to the gradient of the parameter ``sinks`` is (by identity).
+
+    Raises:
+        RuntimeError: sinks that need a gradient are none of the layer's parameters (e.g. a gathered copy of one):
+            their gradient would be lost.
+    """
+    if dsinks is None:
+        return
+    if not any(p is sinks for p in params):
+        if sinks.requires_grad:
+            raise RuntimeError(
+                "the layer's attention sinks need a gradient but are none of its parameters (a copy of the "
+                "parameter reached the attention call): recompute='memo' cannot return their gradient"
+            )
+        return
+    sums.add([dsinks if p is sinks else None for p in params])
 
 
 def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
