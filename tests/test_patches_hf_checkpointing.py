@@ -6,9 +6,10 @@ import logging
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import LlamaForCausalLM
 
 import hf_memo
-from hf_memo.patches import FAMILIES, apply_hf_memo_to_llama, uninstall_from_class
+from hf_memo.patches import apply_hf_memo_to_llama, uninstall_from_class
 from hf_memo.patches.apply import memo_runtime
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.test_patches_forwards_layers import LAYERS, OpCounter, _apply, _build, _step
@@ -128,12 +129,11 @@ def test_memo_leaves_a_layer_with_a_checkpoint_function_of_its_own_to_it_and_che
 
 
 def test_models_built_with_checkpointing_in_their_config_are_patched_at_construction():
-    family = FAMILIES["llama"]
     apply_hf_memo_to_llama(recompute="selective", mlp_chunks=3)
     try:
         model = build_model("llama", num_hidden_layers=LAYERS, gradient_checkpointing=True)
     finally:
-        uninstall_from_class(family)
+        uninstall_from_class(LlamaForCausalLM)
     assert model.is_activation_checkpointing and hf_memo.applied_config(model).recompute == "selective"
     reference = copy.deepcopy(model)
     hf_memo.revert(reference)

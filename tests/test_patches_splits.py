@@ -10,7 +10,7 @@ from transformers.modeling_utils import AttentionInterface
 
 import hf_memo
 from hf_memo.minseq.chunking import chunk_bounds
-from hf_memo.patches.registry import family_for
+from hf_memo.patches.layer_split import split_layer
 from hf_memo.runtime.attention_core import LocalAttention, expand_kv
 from hf_memo.runtime.dropout_attention import draw_seed, keep_mask
 from hf_memo.runtime.executor import MemoLayerFunction
@@ -74,11 +74,15 @@ def _compare_with_masked_reference(monkeypatch, family, **memo):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_split_dropout_follows_the_config_in_training_only(family):
     model = build_model(family, **DROPOUT[family])
-    layer = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
-    split = family_for(family).split
-    assert split(layer, (None, None)).dropout_p == 0.1
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    if family == "gpt2":
+        layer, arguments = model.transformer.h[0], {}
+    else:
+        layer = model.model.layers[0]
+        arguments = {"position_embeddings": model.model.rotary_emb(x, torch.arange(5)[None])}
+    assert split_layer(layer, x, **arguments).dropout_p == 0.1
     model.eval()
-    assert split(layer, (None, None)).dropout_p == 0.0
+    assert split_layer(layer, x, **arguments).dropout_p == 0.0
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -92,7 +96,7 @@ def test_offloading_every_token_of_a_real_layer_stashes_one_copy_of_the_attentio
     else:
         layer = model.model.layers[0]
         embeddings = model.model.rotary_emb(x, torch.arange(10)[None])
-    split = family_for(family).split(layer, embeddings)
+    split = split_layer(layer, x, **({} if embeddings is None else {"position_embeddings": embeddings}))
     source = RecordingSource()
     params = list(layer.parameters())
     y = MemoLayerFunction.apply(source, split, LocalAttention, 2, chunk_bounds(10, 3), 3, x, *params)

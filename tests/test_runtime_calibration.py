@@ -4,7 +4,7 @@ import weakref
 import torch
 
 from hf_memo.minseq.chunking import chunk_bounds
-from hf_memo.patches.llama import FAMILY
+from hf_memo.patches.layer_split import split_layer
 from hf_memo.runtime import calibration
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import (
@@ -22,7 +22,9 @@ from tests.conftest import ShapeRecorder, build_model
 def _layer_input(seq=64):
     model = build_model("llama", num_hidden_layers=2)
     x = torch.randn(2, seq, 32, dtype=torch.float64, requires_grad=True) * 1.0
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(seq)[None]))
+    split = split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(seq)[None])
+    )
     return split, x
 
 
@@ -81,7 +83,8 @@ def test_per_token_bytes_leave_out_tensors_whose_size_does_not_grow_with_the_tok
 def test_under_autocast_the_probe_stashes_only_per_token_bytes():
     model = build_model("llama", dtype=torch.float32)
     x = torch.randn(2, 40, 32)
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(40)[None]))
+    embeddings = model.model.rotary_emb(x, torch.arange(40)[None])
+    split = split_layer(model.model.layers[0], x, position_embeddings=embeddings)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
         short, long = _stashed_bytes(split, x, 10), _stashed_bytes(split, x, 40)
         kept = layer_bytes_per_token(split, x, rows=40)

@@ -6,7 +6,7 @@ import torch
 import hf_memo
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
-from hf_memo.patches.llama import FAMILY
+from hf_memo.patches.layer_split import split_layer
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import layer_bytes_per_token
 from hf_memo.runtime.head_offload import head_input_offloaded
@@ -21,7 +21,9 @@ def _runtime(**config) -> MemoRuntime:
     runtime = MemoRuntime(MemoConfig(recompute="memo", **config), num_layers=4)
     model = build_model("llama")
     x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64)
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(SEQ)[None]))
+    split = split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(SEQ)[None])
+    )
     runtime.alpha_chunks(split, x, chunk_bounds(x.shape[1], 4), LocalAttention, 0)
     return runtime
 
@@ -76,7 +78,9 @@ def test_the_head_input_goes_to_the_host_only_beside_host_layers_with_room_left(
     hidden = torch.randn(2, SEQ, HIDDEN, dtype=torch.float64, requires_grad=True)
     hidden_bytes = hidden.numel() * hidden.element_size()
     model = build_model("llama")
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(hidden, torch.arange(SEQ)[None]))
+    split = split_layer(
+        model.model.layers[0], hidden, position_embeddings=model.model.rotary_emb(hidden, torch.arange(SEQ)[None])
+    )
     layer_bytes = round(layer_bytes_per_token(split, hidden.detach()).fixed * hidden.shape[0] * SEQ)  # alpha 0
     limits = {"fits": layer_bytes + hidden_bytes, "too small": layer_bytes + hidden_bytes - 1, "no layer": hidden_bytes}
     swapped = {"fits": 1, "too small": 1, "no layer": 0}

@@ -11,7 +11,7 @@ import torch
 import hf_memo
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
-from hf_memo.patches.llama import FAMILY
+from hf_memo.patches.layer_split import split_layer
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import PolicyDoesNotFit
@@ -32,7 +32,9 @@ def _on_host(policy):
 def _split_and_input(seq=32):
     model = build_model("llama", num_hidden_layers=2)
     x = torch.randn(1, seq, 32, dtype=torch.float64)
-    return FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(seq)[None])), x
+    return split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(seq)[None])
+    ), x
 
 
 def test_offload_plan_is_solved_once_per_shape_and_swaps_all_but_the_last_two_layers():

@@ -9,7 +9,7 @@ import torch
 import hf_memo
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import chunk_bounds
-from hf_memo.patches.llama import FAMILY
+from hf_memo.patches.layer_split import split_layer
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.calibration import time_layer_forward
@@ -46,7 +46,9 @@ def test_cuda_pool_pins_exactly_its_pages_outside_pytorchs_pinned_allocator():
 def test_cuda_timing_measures_the_chunked_forward_and_its_memory():
     model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=1, intermediate_size=1024).cuda()
     x = torch.randn(1, 4096, 32, dtype=torch.bfloat16, device="cuda")
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(4096, device="cuda")[None]))
+    split = split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(4096, device="cuda")[None])
+    )
     chunked = time_layer_forward(split, x, chunk_bounds(4096, 8))
     whole = time_layer_forward(split, x, chunk_bounds(4096, 1))
     assert chunked.seconds > 0 and 0 < chunked.workspace_bytes < whole.workspace_bytes
@@ -57,7 +59,9 @@ def test_cuda_timing_measures_the_chunked_forward_and_its_memory():
 def test_calibration_leaves_the_users_peak_memory_counter_alone():
     model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=1).cuda()
     x = torch.randn(1, 1024, 32, dtype=torch.bfloat16, device="cuda")
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(1024, device="cuda")[None]))
+    split = split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(1024, device="cuda")[None])
+    )
     big = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # a peak the user's step reached
     del big
     before = torch.cuda.max_memory_allocated()
@@ -69,7 +73,9 @@ def test_on_cuda_auto_limits_the_device_to_what_is_free_and_a_tight_limit_keeps_
     device = torch.device("cuda")
     model = build_model("llama", dtype=torch.bfloat16, num_hidden_layers=2).cuda()
     x = torch.randn(1, 2048, 32, dtype=torch.bfloat16, device=device)
-    split = FAMILY.split(model.model.layers[0], model.model.rotary_emb(x, torch.arange(2048, device=device)[None]))
+    split = split_layer(
+        model.model.layers[0], x, position_embeddings=model.model.rotary_emb(x, torch.arange(2048, device=device)[None])
+    )
     bounds = chunk_bounds(2048, 8)
     runtime = MemoRuntime(MemoConfig(recompute="memo", host_bandwidth=1e15, layer_time=1.0), num_layers=6)
     free, _ = torch.cuda.mem_get_info(device)

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from hf_memo.config import MemoConfig
 from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
 from hf_memo.minseq.chunking import resolve_chunks
-from hf_memo.patches.registry import family_for
+from hf_memo.patches.structure import mlp_width
 from hf_memo.profiler.closed_form import ClosedForm, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
@@ -46,7 +46,7 @@ def chunk_rows(
     """
     text = config.get_text_config()
     hidden, defaults = text.hidden_size, MemoConfig()
-    width = family_for(config.model_type).intermediate_size(text)
+    width = mlp_width(text)
     tokens = batch_size * seq_len
     min_tokens, max_elements = defaults.min_chunk_tokens, defaults.max_chunk_elements
     head = resolve_chunks(chunks[1], tokens, text.vocab_size, hidden, min_tokens, max_elements)

@@ -9,7 +9,6 @@ from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
 from hf_memo.patches.patching import patch_model, patch_state, unpatch_model
-from hf_memo.patches.registry import family_for
 from hf_memo.runtime.memo import MemoRuntime
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -31,7 +30,8 @@ def apply(model: ModelT, config: MemoConfig | None = None, **overrides: Any) -> 
     """Patch ``model`` in place and return it.
 
     Args:
-        model: a ``*ForCausalLM`` of a supported family, or a PEFT model wrapping one.
+        model: a decoder-only ``*ForCausalLM`` (any family whose structure hf_memo recognises, see
+            :func:`~hf_memo.patches.structure.describe`), or a PEFT model wrapping one.
         config: the :class:`MemoConfig`; defaults to the config already applied, else ``MemoConfig()``.
         **overrides: fields to change in that config, e.g. ``mlp_chunks=8``.
 
@@ -39,7 +39,6 @@ def apply(model: ModelT, config: MemoConfig | None = None, **overrides: Any) -> 
     Parameters, buffers and the state dict are untouched, so checkpoints stay plain Transformers.
     """
     target = causal_lm_of(model)
-    family = family_for(target.config.model_type)
     state = patch_state(target)
     base = config if config is not None else (state.config if state is not None else MemoConfig())
     new_config = base.replace(**overrides) if overrides else base
@@ -47,7 +46,7 @@ def apply(model: ModelT, config: MemoConfig | None = None, **overrides: Any) -> 
         if new_config == state.config:
             return model
         unpatch_model(target)
-    patch_model(target, family, new_config)
+    patch_model(target, new_config)
     return model
 
 

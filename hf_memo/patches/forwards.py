@@ -25,8 +25,8 @@ from hf_memo.parallel.fsdp import check_parameters_whole
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
-from hf_memo.patches.family import Family
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
+from hf_memo.patches.layer_split import GenericSplit, LayerArguments, find_anatomy, outputs_not_recorded
 from hf_memo.patches.packing import describe_training_batch
 from hf_memo.patches.router_logits import (
     RouterLogitsSplit,
@@ -35,6 +35,7 @@ from hf_memo.patches.router_logits import (
     router_aux_loss_coef,
     wants_router_logits,
 )
+from hf_memo.patches.structure import Structure
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
@@ -91,7 +92,7 @@ def _keeps_all_logits(logits_to_keep: Any) -> bool:
 
 def causal_lm_forward(
     config: MemoConfig,
-    family: Family,
+    structure: Structure,
     sequence_parallel: SequenceParallelLM | None,
     runtime: MemoRuntime | None,
     deferral: FinalNormDeferral,
@@ -153,7 +154,7 @@ def causal_lm_forward(
     finally:
         deferral.active = False
     hidden = outputs.last_hidden_state
-    head, norm = model.get_output_embeddings(), getattr(backbone, family.final_norm)
+    head, norm = model.get_output_embeddings(), model.get_submodule(structure.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
     tokens = hidden.numel() // hidden.shape[-1]
     chunks = resolve_chunks(
@@ -163,7 +164,7 @@ def causal_lm_forward(
     def compute(head_forward: Callable, rows: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(
             rows,
-            lambda chunk: head_forward(norm(chunk)),
+            lambda chunk: structure.logits(head_forward(norm(chunk))),
             trainable_params(norm) + trainable_params(head),
             labels,
             chunks,
@@ -176,12 +177,12 @@ def causal_lm_forward(
         loss = zero3.loss(head, head_input, compute)
     if sequence_parallel is not None:
         loss = sequence_parallel.reduce_loss(loss)
-    fields = family.output_class.__dataclass_fields__
+    fields = structure.output_class.__dataclass_fields__
     values = {k: v for k, v in outputs.items() if k in fields and k != "logits"}
     if routed:  # as the model's own forward: its load-balancing loss over the router logits of every MoE layer
         values["aux_loss"] = router_aux_loss(model, outputs.router_logits, user_mask)
         loss = loss + router_aux_loss_coef(model) * values["aux_loss"].to(loss.device)
-    result = family.output_class(loss=loss, **values)
+    result = structure.output_class(loss=loss, **values)
     if result.hidden_states is not None:
         result.hidden_states = _normed_last(backbone, norm, result.hidden_states, hidden)
     return result if return_dict else result.to_tuple()
@@ -235,7 +236,7 @@ def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, An
 
 def memo_layer_forward(
     config: MemoConfig,
-    family: Family,
+    structure: Structure,
     runtime: MemoRuntime,
     sequence_parallel: SequenceParallelLM | None,
     takeover: HFCheckpointingTakeover,
@@ -271,23 +272,13 @@ def memo_layer_forward(
             "or packed position_ids); it got an attention mask outside such a step (e.g. a 4-D one) or "
             "cross-attention inputs"
         )
-    window = family.sliding_window(layer)
-    reach = hidden.shape[1] * (1 if sequence_parallel is None else sequence_parallel.size)
-    reach = reach if layout is None else layout.reach()
-    if window is not None and reach > window:
-        padding = layout is not None and layout.padding_attends and layout.longest() <= window
-        raise ValueError(
-            f"recompute='memo' computes attention without a window, but this layer uses a sliding window of "
-            f"{window} tokens and "
-            + (
-                f"padding with targets (labels not -100 after the sample) attends over {reach} tokens: set the "
-                "padding's labels to -100, or use recompute='selective'"
-                if padding
-                else f"the sequence has {reach}"
-            )
-        )
-    split = family.split(layer, arguments.get("position_embeddings"))
-    width = family.intermediate_size(layer_config(layer))
+    layer_arguments = LayerArguments(arguments)
+    run = partial(takeover.call, layer, inner)  # the layer's own forward, without Hugging Face's checkpointing
+    anatomy = structure.anatomies.get(index)
+    if anatomy is None:  # the layer's first memo step: how it feeds its attention, and the split checked
+        anatomy = structure.anatomies[index] = find_anatomy(layer, run, layer_arguments, hidden, structure.model_type)
+    split = GenericSplit(layer, run, layer_arguments, anatomy)
+    width = structure.mlp_width
     # A chunk is S / chunks rows of each of the B sequences: max_chunk_elements bounds its intermediate
     # (B, S / chunks, I) and min_chunk_tokens its B * S / chunks tokens, as in the mini-sequence MLP.
     batch = hidden.shape[0]
@@ -303,16 +294,11 @@ def memo_layer_forward(
     core = attention_core_for(layout)
     if sequence_parallel is not None:
         core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, core)
-    alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
+    with outputs_not_recorded():  # calibration runs the layer on prefixes: transformers records none of it
+        alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
     return RouterLogitsSplit.recorded(
         MemoLayerFunction.apply(runtime, RouterLogitsSplit(split), core, index, bounds, alpha_chunks, hidden, *params)
     )
-
-
-def layer_config(layer: nn.Module) -> Any:
-    """The model config a decoder layer was built from."""
-    attn = layer.self_attn if hasattr(layer, "self_attn") else layer.attn
-    return attn.config.get_text_config()
 
 
 def _keep_matmuls_and_attention(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

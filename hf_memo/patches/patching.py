@@ -11,7 +11,6 @@ from hf_memo.config import MemoConfig
 from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.zero3 import Zero3Regions, head_forward, zero3_expected
-from hf_memo.patches.family import Family
 from hf_memo.patches.forwards import (
     FinalNormDeferral,
     backbone_forward,
@@ -21,9 +20,11 @@ from hf_memo.patches.forwards import (
     memo_layer_forward,
     mlp_forward,
 )
+from hf_memo.patches.head_transform import check_logit_transform
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.sample_attention import install_sample_attention
+from hf_memo.patches.structure import Structure, describe
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.model_planner import plan_patched_model
 from hf_memo.runtime.policy_sizer import size_policy
@@ -33,10 +34,10 @@ _STATE_ATTR = "_hf_memo_patch"
 
 @dataclass
 class PatchState:
-    """What hf_memo did to a model: the config it applied, the family, how to undo it, the memo runtime."""
+    """What hf_memo did to a model: the config it applied, its structure, how to undo it, the memo runtime."""
 
     config: MemoConfig
-    family: Family
+    structure: Structure
     record: PatchRecord
     zero3: Zero3Regions
     runtime: MemoRuntime | None = None
@@ -52,13 +53,15 @@ def hf_checkpointing_enabled(model: PreTrainedModel) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> None:
-    """Install hf_memo on an unpatched ``model`` of ``family`` (instance-level, reversible)."""
-    if not isinstance(model, family.causal_lm):
-        raise ValueError(
-            f"hf_memo patches causal language models ({family.causal_lm.__name__} for model_type "
-            f"'{family.model_type}'), got {type(model).__name__}"
-        )
+def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
+    """Install hf_memo on an unpatched ``model`` (instance-level, reversible).
+
+    Raises:
+        ValueError: ``model``'s structure or logits are not ones hf_memo can patch exactly (see
+            :func:`~hf_memo.patches.structure.describe`).
+    """
+    structure = describe(model)
+    check_logit_transform(model, model.forward, structure.logits)
     if config.recompute == "memo" and config.sequence_parallel_size == 1:
         check_memo_not_under_deepspeed_ulysses()
     takeover = HFCheckpointingTakeover(config)
@@ -68,37 +71,35 @@ def patch_model(model: PreTrainedModel, family: Family, config: MemoConfig) -> N
     sequence_parallel = SequenceParallelLM.install(model, config, record)  # None unless sequence_parallel_size > 1
     if sequence_parallel is None:  # (Ulysses attends per sample itself)
         install_sample_attention(model, record)
-    layers = [m for m in model.modules() if isinstance(m, family.decoder_layer)]
+    layers = structure.layers
     runtime = None
     if config.recompute == "memo":
         planner = partial(plan_patched_model, model) if config.planner != "off" else None
         runtime = MemoRuntime(config, len(layers), planner, model.parameters, partial(size_policy, model))
     if runtime is None:  # the memo executor cuts the MLP into mini-sequences itself
-        width = family.intermediate_size(model.config.get_text_config())
-        for module in model.modules():
-            if isinstance(module, family.mlp):
-                record.install_forward(module, partial(mlp_forward, config, width))
+        for mlp in structure.mlps:
+            record.install_forward(mlp, partial(mlp_forward, config, structure.mlp_width))
     for index, layer in enumerate(layers):
         if runtime is not None:
             record.install_forward(
-                layer, partial(memo_layer_forward, config, family, runtime, sequence_parallel, takeover, index)
+                layer, partial(memo_layer_forward, config, structure, runtime, sequence_parallel, takeover, index)
             )
         elif config.recompute in ("full", "selective"):
             record.install_forward(layer, partial(checkpointed_layer_forward, config, takeover))
     backbone = getattr(model, model.base_model_prefix)
     deferral = FinalNormDeferral()
-    norm, head = getattr(backbone, family.final_norm), model.get_output_embeddings()
+    norm, head = model.get_submodule(structure.final_norm), model.get_output_embeddings()
     record.install_forward(norm, partial(final_norm_forward, deferral))
     zero3 = Zero3Regions([(layer, [layer]) for layer in layers] + [(head, [head, norm])], head)
     record.install_forward(head, partial(head_forward, zero3.head_region))
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
         record.install_forward(backbone, partial(backbone_forward, model, zero3))
     record.install_forward(
-        model, partial(causal_lm_forward, config, family, sequence_parallel, runtime, deferral, zero3)
+        model, partial(causal_lm_forward, config, structure, sequence_parallel, runtime, deferral, zero3)
     )
     if zero3_expected(model):  # registered before DeepSpeed records its first trace of the model
         zero3.ensure()
-    model.__dict__[_STATE_ATTR] = PatchState(config, family, record, zero3, runtime)
+    model.__dict__[_STATE_ATTR] = PatchState(config, structure, record, zero3, runtime)
 
 
 def unpatch_model(model: PreTrainedModel) -> None:

@@ -1,0 +1,351 @@
+"""Any decoder layer cut around its attention for the memo executor, by running the layer's own code.
+
+``project(x_rows, start, stop)`` runs the layer's forward on rows ``[start, stop)`` up to the moment its attention
+module calls transformers' attention interface, and takes ``q (B, h, s, D)``, ``k, v (B, h_kv, s, D)`` and the
+call's keyword arguments from that call (:class:`AttentionTraits`: scale, dropout, sliding window, soft-cap,
+sinks): whatever the layer computes before attention (an input norm or none, q/k norms, partial or no RoPE,
+fused projections) is the model's own code. ``finish(x_rows, o_rows)`` runs the layer's forward again with the
+attention module answering the output projection of ``o_rows`` ``(B, s, h*D)``, so the residual layout (pre-norm,
+sandwich and post-norms, parallel attention and MLP, residual multipliers and dropout) and the MLP (dense or
+mixture of experts) are the model's own code too.
+
+What the layer feeds its attention is found once per layer (:class:`Anatomy`, at its first memo step): where it is
+a norm that nothing else reads, ``finish`` skips it. The split is then checked against the layer's own forward
+(its eager attention, a causal mask) on the step's first rows; a layer whose split differs is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from transformers import AttentionInterface
+from transformers.utils.output_capturing import _active_collector
+
+from hf_memo.parallel.attention import AttentionConfigView
+from hf_memo.patches.structure import attention_of, mlp_of
+from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
+from hf_memo.runtime.executor import project_rows
+
+_CAPTURE = "hf_memo_capture"
+# Keyword arguments an attention module may hand the interface besides the traits and what the layer got.
+_PASSED_THROUGH = {"position_ids", "cache_position", LAYOUT_KEYWORD}
+_TRAIT_ARGUMENTS = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal"}
+_OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj")
+_PROBE_ROWS = 4
+
+
+class _Captured(Exception):  # noqa: N818 (control flow, not an error)
+    """Raised by the capturing interface: the attention call's ``q, k, v`` and keyword arguments."""
+
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> None:
+        super().__init__("attention call captured")
+        self.qkv, self.kwargs = (query, key, value), kwargs
+
+
+def _capture(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs):
+    raise _Captured(query, key, value, kwargs)
+
+
+@functools.cache
+def _register_capture() -> str:
+    AttentionInterface.register(_CAPTURE, _capture)
+    return _CAPTURE
+
+
+@contextlib.contextmanager
+def _instance_attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` inside; afterwards exactly what it was (an instance attribute or none)."""
+    missing = object()
+    previous = obj.__dict__.get(name, missing)
+    obj.__dict__[name] = value
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del obj.__dict__[name]
+        else:
+            obj.__dict__[name] = previous
+
+
+def _implementation(attn: nn.Module, name: str) -> contextlib.AbstractContextManager:
+    """``attn`` dispatches to attention implementation ``name`` inside (its config seen through a view)."""
+    return _instance_attribute(attn, "config", AttentionConfigView(attn.config, name))
+
+
+@contextlib.contextmanager
+def outputs_not_recorded() -> Iterator[None]:
+    """transformers' output recording (router logits, attentions) sees nothing of a probe."""
+    token = _active_collector.set(None)
+    try:
+        yield
+    finally:
+        _active_collector.reset(token)
+
+
+def _parameters(layer: nn.Module) -> set[str]:
+    """The names the layer's forward takes."""
+    return set(inspect.signature(type(layer).forward).parameters)
+
+
+def _traits(kwargs: dict, passed: set[str], head_dim: int, model_type: str) -> AttentionTraits:
+    """The traits of an attention call with keyword arguments ``kwargs``; ``passed``: the names the layer takes."""
+    unknown = set(kwargs) - _TRAIT_ARGUMENTS - _PASSED_THROUGH - passed
+    if unknown:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its attention asks the attention "
+            f"interface for {', '.join(sorted(unknown))}, which hf_memo's attention does not compute"
+        )
+    if kwargs.get("is_causal") is False:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its attention is not causal"
+        )
+    scale = kwargs.get("scaling")
+    return AttentionTraits(
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        dropout_p=float(kwargs.get("dropout") or 0.0),
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """How one decoder layer feeds its attention.
+
+    Attributes:
+        attention_input: the layer's child whose output the attention reads (its input norm), or ``None`` where the
+            attention reads the layer's input itself (post-norm layers).
+        shared_input: that output is read by more than the attention (parallel attention and MLP): ``finish``
+            must compute it too.
+        traits: the attention's traits in the mode of the step that found them.
+    """
+
+    attention_input: nn.Module | None
+    shared_input: bool
+    traits: AttentionTraits
+
+
+class LayerArguments:
+    """The decoder layer's call arguments for split calls: no mask, no cache, positions cut to rows.
+
+    ``position_embeddings`` (``(cos, sin)``, each ``(B, S, d)``) and ``position_ids`` ``(B, S)`` hold one entry per
+    row of the step; everything else is passed as the layer got it.
+    """
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = {
+            k: v for k, v in arguments.items() if k not in ("hidden_states", "attention_mask", LAYOUT_KEYWORD)
+        }
+        for name in ("cache", "past_key_values", "past_key_value"):
+            if name in self.arguments:
+                self.arguments[name] = None
+        if "use_cache" in self.arguments:
+            self.arguments["use_cache"] = False
+
+    def rows(self, start: int, stop: int) -> dict[str, Any]:
+        out = dict(self.arguments)
+        embeddings = out.get("position_embeddings")
+        if isinstance(embeddings, tuple):
+            out["position_embeddings"] = tuple(t[:, start:stop] for t in embeddings)
+        if isinstance(out.get("position_ids"), torch.Tensor):
+            out["position_ids"] = out["position_ids"][..., start:stop]
+        return out
+
+
+class GenericSplit:
+    """A decoder layer cut around attention through its own forward ``inner`` (see the module docstring).
+
+    ``project``: ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``; ``finish``:
+    ``(B, s, H), (B, s, h*D) -> (B, s, H)``; ``traits``: the layer's attention (scale, dropout of this call, window,
+    soft-cap, sinks).
+    """
+
+    def __init__(self, layer: nn.Module, inner: Callable, arguments: LayerArguments, anatomy: Anatomy) -> None:
+        self.layer, self.inner, self.arguments, self.anatomy = layer, inner, arguments, anatomy
+        self.attn = attention_of(layer)
+        self.traits = anatomy.traits
+        self.output_projection = next(getattr(self.attn, n) for n in _OUTPUT_PROJECTIONS if hasattr(self.attn, n))
+
+    @property
+    def scale(self) -> float:
+        return self.traits.scale
+
+    @property
+    def dropout_p(self) -> float:
+        return self.traits.dropout_p
+
+    def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with _implementation(self.attn, _register_capture()):
+            try:
+                self.inner(hidden_states=x, **self.arguments.rows(start, stop))
+            except _Captured as captured:
+                return captured.qkv
+        raise ValueError(f"{type(self.layer).__name__}'s forward never called its attention")
+
+    def _tail(self, o: torch.Tensor) -> torch.Tensor:
+        """What the attention module does after the interface: its output projection, then residual dropout."""
+        out = project_rows(self.output_projection, o)
+        dropout = getattr(self.attn, "resid_dropout", None)
+        if isinstance(dropout, nn.Module):
+            return dropout(out)
+        p = getattr(self.attn, "residual_dropout", 0.0)
+        return nn.functional.dropout(out, p=p, training=self.attn.training) if p else out
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        tail = self._tail(o)
+        skipped = self.anatomy.attention_input if not self.anatomy.shared_input else None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_instance_attribute(self.attn, "forward", lambda *a, **k: (tail, None)))
+            if skipped is not None:
+                stack.enter_context(_instance_attribute(skipped, "forward", lambda h, *a, **k: h))
+            return self.inner(hidden_states=x, **self.arguments.arguments)
+
+    def kept(self) -> list[torch.Tensor]:
+        embeddings = self.arguments.arguments.get("position_embeddings")
+        tables = list(embeddings) if isinstance(embeddings, tuple) else []
+        return [*self.layer.parameters(), *self.layer.buffers(), *tables]
+
+
+def find_anatomy(
+    layer: nn.Module, inner: Callable, arguments: LayerArguments, x: torch.Tensor, model_type: str
+) -> Anatomy:
+    """The layer's :class:`Anatomy`, from its forward on the first rows of ``x`` ``(B, S, H)``, then the split
+    checked against the layer's own forward there (:func:`check_split`)."""
+    attn = attention_of(layer)
+    rows = x[:, :_PROBE_ROWS].detach()
+    with torch.no_grad(), outputs_not_recorded():
+        with _implementation(attn, _register_capture()):
+            try:
+                inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
+                raise ValueError(f"{type(layer).__name__}'s forward never called its attention")
+            except _Captured as captured:
+                passed = set(arguments.arguments) | _parameters(layer)
+                traits = _traits(captured.kwargs, passed, captured.qkv[0].shape[-1], model_type)
+        outputs: dict[int, nn.Module] = {}
+        seen: dict[str, Any] = {}
+
+        def attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+            seen["input"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            return torch.zeros_like(seen["input"]), None
+
+        def record_mlp_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            seen["mlp"] = args[0] if args else next(iter(kwargs.values()))
+
+        def record_output(module: nn.Module, args: tuple, out: Any) -> None:
+            outputs.setdefault(id(out), module)
+
+        handles = [child.register_forward_hook(record_output) for child in layer.children() if child is not attn]
+        handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
+        try:
+            with _instance_attribute(attn, "forward", attention), _eval(layer):
+                inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
+        finally:
+            for handle in handles:
+                handle.remove()
+    source = seen["input"]
+    if source is rows:
+        anatomy = Anatomy(None, False, traits)
+    elif id(source) in outputs:
+        anatomy = Anatomy(outputs[id(source)], seen.get("mlp") is source, traits)
+    else:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} feeds its "
+            "attention with something other than its input or one of its modules' outputs"
+        )
+    check_split(layer, inner, arguments, rows, anatomy, model_type)
+    return anatomy
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits) -> torch.Tensor:
+    """Plain math: ``q (B, h, n, D)``, ``k, v (B, h_kv, n, D)`` -> ``(B, n, h*D)`` (the split's check only)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = (q @ k.transpose(-1, -2)).to(dtype) * traits.scale
+    if traits.softcap is not None:
+        scores = torch.tanh(scores / traits.softcap) * traits.softcap
+    n = q.shape[2]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if traits.window is not None:
+        allowed &= torch.ones_like(allowed).triu(1 - traits.window)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    if traits.sinks is not None:
+        sinks = traits.sinks.to(dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    out = probs.to(v.dtype) @ v
+    return out.transpose(1, 2).reshape(q.shape[0], n, -1)
+
+
+def _causal_mask(n: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
+    allowed = torch.ones(n, n, dtype=torch.bool, device=like.device).tril()
+    if window is not None:
+        allowed &= torch.ones_like(allowed).triu(1 - window)
+    mask = torch.zeros(n, n, dtype=like.dtype, device=like.device).masked_fill(~allowed, torch.finfo(like.dtype).min)
+    return mask[None, None]
+
+
+def check_split(
+    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, anatomy: Anatomy, model_type: str
+) -> None:
+    """The split's ``finish(x, attention(project(x)))`` against the layer's own forward (eager attention, causal
+    mask) on ``rows`` ``(B, n, H)``, in eval mode; skipped on fake tensors (the estimator's profiles).
+
+    Raises:
+        ValueError: they differ beyond the dtype's rounding: the layer computes something the split does not.
+    """
+    if is_fake(rows):
+        return
+    attn = attention_of(layer)
+    n = rows.shape[1]
+    with torch.no_grad(), outputs_not_recorded(), _eval(layer):
+        split = GenericSplit(layer, inner, arguments, replace(anatomy, traits=replace(anatomy.traits, dropout_p=0.0)))
+        q, k, v = split.project(rows, 0, n)
+        got = split.finish(rows, _reference_attention(q, k, v, split.traits))
+        with _implementation(attn, "eager"):
+            expected = inner(
+                hidden_states=rows, attention_mask=_causal_mask(n, split.traits.window, rows), **arguments.rows(0, n)
+            )
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    # transformers' eager attention takes its softmax in float32 whatever the dtype; a split that is not the
+    # layer's computation differs by the size of the layer's terms
+    tolerance = 1e-4 if rows.dtype in (torch.float32, torch.float64) else 3e-2
+    scale = expected.float().abs().max().clamp_min(1.0)
+    worst = ((got.float() - expected.float()).abs().max() / scale).item()
+    if not worst <= tolerance:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its decoder layer "
+            f"{type(layer).__name__}, cut around its attention, differs from its own forward by {worst:.3g} "
+            "(relative): it computes something hf_memo's split does not reproduce"
+        )
+
+
+def split_layer(layer: nn.Module, x: torch.Tensor, **arguments: Any) -> GenericSplit:
+    """The split of an unpatched decoder ``layer`` for a step with input ``x`` ``(B, S, H)`` and the layer's other
+    ``arguments`` (e.g. ``position_embeddings``), its anatomy found (and checked) on ``x``."""
+    layer_arguments = LayerArguments(arguments)
+    anatomy = find_anatomy(layer, layer.forward, layer_arguments, x, type(layer).__name__)
+    return GenericSplit(layer, layer.forward, layer_arguments, anatomy)

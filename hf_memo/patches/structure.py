@@ -1,0 +1,163 @@
+"""A causal LM's structure, found on the live model: backbone, decoder layers, their MLPs, final norm, head.
+
+hf_memo patches any decoder-only model whose parts it can find this way and whose layers its split can
+verify (:mod:`hf_memo.patches.layer_split`); nothing is keyed by class objects imported in advance, so a
+model built from a reloaded modeling module (IPython's autoreload) is recognised like any other. What
+cannot be patched exactly is refused by :func:`describe` with the model and what blocks it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
+
+from hf_memo.patches.head_transform import LogitTransform, logit_transform
+
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+ATTENTION_NAMES = ("self_attn", "attn", "self_attention")
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_norm")
+# Model types whose attention hf_memo cannot compute exactly, with what blocks them.
+_REFUSED_CONFIG_TRAITS = {
+    "attention_chunk_size": "chunked attention (each token attends only within its chunk of the sequence)",
+    "num_kv_shared_layers": "layers that reuse other layers' keys and values (KV sharing)",
+    "index_topk": "sparse attention (a learned indexer picks the keys each query attends)",
+}
+
+
+@dataclass
+class Structure:
+    """Where hf_memo finds the parts of one causal LM.
+
+    Attributes:
+        model_type: ``config.model_type`` (for messages).
+        backbone: ``getattr(model, model.base_model_prefix)``, the module the causal LM calls with the inputs.
+        layers: the decoder layers, bottom to top.
+        mlps: each layer's MLP (dense or mixture of experts), where the mini-sequence MLP is installed.
+        final_norm: the name of the norm after the last layer (the loss runs it per mini-sequence), looked up when
+            used: PEFT's ``modules_to_save`` may wrap it after patching, as it wraps the head.
+        logits: the transform from the head's output to the model's logits (soft-capping, scales).
+        output_class: the output type of the causal LM's forward.
+        mlp_width: the widest per-token intermediate of an MLP ``I`` (sizes mini-sequence chunks).
+    """
+
+    model_type: str
+    backbone: nn.Module
+    layers: list[nn.Module]
+    mlps: list[nn.Module]
+    final_norm: str
+    logits: LogitTransform
+    output_class: type[ModelOutput]
+    mlp_width: int
+    anatomies: dict[int, Any] = field(default_factory=dict)  # per layer index, found at its first memo step
+
+
+def refuse(model: nn.Module, reason: str) -> ValueError:
+    """The error for a model hf_memo cannot patch: the model, its type and what blocks it."""
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
+    return ValueError(f"hf_memo cannot patch {type(model).__name__} (model_type {model_type!r}): {reason}")
+
+
+def mlp_width(config: PretrainedConfig) -> int:
+    """The widest per-token MLP intermediate ``I`` of a model with text config ``config``.
+
+    A dense MLP's ``intermediate_size`` (GPT-2: ``n_inner`` or ``4 * hidden``); a token through a mixture of
+    experts fills ``top_k`` experts' intermediates plus the shared expert's.
+    """
+    hidden = config.hidden_size
+    dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
+    expert = getattr(config, "moe_intermediate_size", None) or getattr(config, "expert_intermediate_size", None)
+    if top_k and not expert and _num_experts(config):
+        expert = dense
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return max(dense, (top_k or 0) * (expert or 0) + shared)
+
+
+def _num_experts(config: PretrainedConfig) -> int:
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, name, None)
+        if value:
+            return value
+    return 0
+
+
+def _layer_list(model: PreTrainedModel) -> tuple[str, nn.Module, nn.ModuleList]:
+    """``(parent's name, parent, layers)``: the module list of decoder layers (``num_hidden_layers`` of them, each
+    with an MLP child) and the module holding it."""
+    count = model.config.get_text_config().num_hidden_layers
+    for prefix, parent in model.named_modules():
+        for child in parent.children():
+            is_list = isinstance(child, nn.ModuleList) and len(child) == count > 0
+            if is_list and all(_child(layer, MLP_NAMES) is not None for layer in child):
+                return prefix, parent, child
+    raise refuse(model, f"found no list of {count} decoder layers each with an MLP ({' / '.join(MLP_NAMES)})")
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    return next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
+def attention_of(layer: nn.Module) -> nn.Module | None:
+    """The self-attention module of a decoder layer, or ``None`` (e.g. a linear-attention layer of a hybrid)."""
+    return _child(layer, ATTENTION_NAMES)
+
+
+def mlp_of(layer: nn.Module) -> nn.Module:
+    """The MLP (dense or mixture of experts) of a decoder layer."""
+    return _child(layer, MLP_NAMES)
+
+
+def _output_class(model: PreTrainedModel) -> type[ModelOutput]:
+    try:
+        annotation = typing.get_type_hints(type(model).forward).get("return")
+    except Exception:  # annotations naming types the module does not import
+        annotation = inspect.signature(type(model).forward).return_annotation
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
+            return candidate
+    return CausalLMOutputWithPast
+
+
+def describe(model: PreTrainedModel) -> Structure:
+    """The :class:`Structure` of ``model``, a decoder-only causal LM.
+
+    Raises:
+        ValueError: ``model`` is not one hf_memo can patch exactly; the message names the model and what blocks it.
+    """
+    config = model.config
+    text = config.get_text_config()
+    if model.get_output_embeddings() is None:
+        raise refuse(model, "it has no LM head (output embeddings): hf_memo patches causal language models")
+    if getattr(config, "is_encoder_decoder", False):
+        raise refuse(model, "encoder-decoder models are not supported, only decoder-only causal LMs")
+    for name, reason in _REFUSED_CONFIG_TRAITS.items():
+        if getattr(text, name, None):
+            raise refuse(model, f"{reason} (config.{name}={getattr(text, name)!r})")
+    prefix, parent, layers = _layer_list(model)
+    for index, layer in enumerate(layers):
+        if attention_of(layer) is None:
+            kinds = sorted({type(c).__name__ for c in layer.children()})
+            raise refuse(
+                model,
+                f"decoder layer {index} has no softmax self-attention ({', '.join(kinds)}): hybrid layers (linear "
+                "attention, state-space) are not supported",
+            )
+    norm = next((n for n in FINAL_NORM_NAMES if isinstance(getattr(parent, n, None), nn.Module)), None)
+    if norm is None:
+        raise refuse(model, f"found no final norm ({' / '.join(FINAL_NORM_NAMES)}) beside its decoder layers")
+    return Structure(
+        model_type=config.model_type,
+        backbone=getattr(model, model.base_model_prefix),
+        layers=list(layers),
+        mlps=[mlp_of(layer) for layer in layers],
+        final_norm=f"{prefix}.{norm}" if prefix else norm,
+        logits=logit_transform(model),
+        output_class=_output_class(model),
+        mlp_width=mlp_width(text),
+    )

@@ -1,0 +1,72 @@
+"""The logit transforms read from a model's traits, and the check against its own forward that refuses others."""
+
+import pytest
+import torch
+from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    LlamaForCausalLM,
+)
+
+import hf_memo
+from hf_memo.patches.head_transform import LogitTransform, check_logit_transform, logit_transform
+from tests.conftest import build_model
+
+TINY = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "transform"),
+    [
+        (lambda: GraniteForCausalLM(GraniteConfig(**TINY, logits_scaling=4.0)), LogitTransform(divide=4.0)),
+        (lambda: CohereForCausalLM(CohereConfig(**TINY, logit_scale=0.5)), LogitTransform(multiply=0.5)),
+        (lambda: Gemma2ForCausalLM(Gemma2Config(**TINY, final_logit_softcapping=3.0)), LogitTransform(softcap=3.0)),
+        (lambda: build_model("llama"), LogitTransform()),
+    ],
+)
+def test_the_transform_is_read_from_the_traits_and_matches_the_models_own_logits(model, transform):
+    model = model().double()
+    assert logit_transform(model) == transform
+    check_logit_transform(model, model.forward, transform)
+    if transform != LogitTransform():  # the check does see a transform left out
+        with pytest.raises(ValueError, match="not its head's output"):
+            check_logit_transform(model, model.forward, LogitTransform())
+
+
+class _DoubledLogits(LlamaForCausalLM):
+    """A causal LM that transforms its logits in a way no trait describes."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 2 * out.logits
+        return out
+
+
+def test_a_model_with_an_unknown_logit_transform_is_refused_by_apply():
+    model = _DoubledLogits(build_model("llama").config).double()
+    with pytest.raises(ValueError, match="_DoubledLogits .*not its head's output with the transforms hf_memo knows"):
+        hf_memo.apply(model)
+    assert hf_memo.applied_config(model) is None
+
+
+def test_the_check_leaves_the_rng_and_training_modes_as_they_were():
+    model = build_model("llama")
+    model.model.layers[0].eval()
+    state = torch.get_rng_state()
+    check_logit_transform(model, model.forward, LogitTransform())
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and not model.model.layers[0].training

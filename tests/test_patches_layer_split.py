@@ -1,0 +1,101 @@
+"""The generic split: how a layer feeds its attention, the traits read from its attention call, and the check that
+refuses a layer the split does not reproduce."""
+
+import pytest
+import torch
+from transformers import CohereConfig, CohereForCausalLM, Olmo2Config, Olmo2ForCausalLM
+from transformers.models.llama import modeling_llama
+
+from hf_memo.patches.layer_split import GenericSplit, LayerArguments, find_anatomy
+from tests.conftest import build_model
+
+TINY = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _layer_call(model, rows: int = 6):
+    """``(layer 0, its forward, its arguments, x (2, rows, 32))`` as the backbone would call it."""
+    torch.manual_seed(0)
+    x = torch.randn(2, rows, 32, dtype=torch.float64)
+    backbone = model.model
+    embeddings = backbone.rotary_emb(x, torch.arange(rows)[None])
+    return backbone.layers[0], backbone.layers[0].forward, LayerArguments({"position_embeddings": embeddings}), x
+
+
+def _anatomy(model):
+    layer, inner, arguments, x = _layer_call(model)
+    return layer, find_anatomy(layer, inner, arguments, x, model.config.model_type)
+
+
+def test_a_pre_norm_layer_feeds_its_attention_from_its_input_norm_alone():
+    layer, anatomy = _anatomy(build_model("llama"))
+    assert anatomy.attention_input is layer.input_layernorm and not anatomy.shared_input
+    assert anatomy.traits.scale == 8**-0.5 and anatomy.traits.plain
+
+
+def test_a_post_norm_layer_feeds_its_attention_its_input():
+    torch.manual_seed(0)
+    _, anatomy = _anatomy(Olmo2ForCausalLM(Olmo2Config(**TINY)).double())
+    assert anatomy.attention_input is None
+
+
+def test_a_parallel_layer_shares_its_input_norm_between_attention_and_mlp():
+    torch.manual_seed(0)
+    layer, anatomy = _anatomy(CohereForCausalLM(CohereConfig(**TINY)).double())
+    assert anatomy.attention_input is layer.input_layernorm and anatomy.shared_input
+
+
+def test_the_split_reproduces_the_layer_on_every_row():
+    model = build_model("llama")
+    layer, inner, arguments, x = _layer_call(model, rows=9)
+    split = GenericSplit(layer, inner, arguments, find_anatomy(layer, inner, arguments, x, "llama"))
+    q, k, v = split.project(x, 0, 9)
+    assert q.shape == (2, 4, 9, 8) and k.shape == v.shape == (2, 2, 9, 8)
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+    )
+    got = split.finish(x, out.transpose(1, 2).reshape(2, 9, -1))
+    want = layer(x, position_embeddings=arguments.arguments["position_embeddings"])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _ScaledAttention(modeling_llama.LlamaAttention):
+    """An attention that does more after its output projection than the split knows about."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return 2 * out, weights
+
+
+class _AskingAttention(modeling_llama.LlamaAttention):
+    """An attention that asks the attention interface for something the memo core does not compute."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        return super().forward(hidden_states, position_embeddings, attention_mask, chunk_size=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("attention", "message"),
+    [
+        (_ScaledAttention, "differs from its own forward"),
+        (_AskingAttention, "asks the attention interface for chunk_size"),
+    ],
+)
+def test_a_layer_the_split_does_not_reproduce_is_refused(attention, message):
+    model = build_model("llama")
+    layer = model.model.layers[0]
+    replacement = attention(model.config, 0).double()
+    replacement.load_state_dict(layer.self_attn.state_dict())
+    layer.self_attn = replacement
+    with pytest.raises(ValueError, match=message):
+        _anatomy(model)
