@@ -8,14 +8,24 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, LlamaModel
+from transformers import (
+    Gemma3ForConditionalGeneration,
+    GPT2LMHeadModel,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaModel,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
 import hf_memo
 from benchmarks.transformers_suite import plugin
 from benchmarks.transformers_suite.__main__ import main
 from benchmarks.transformers_suite.compare import ALLOWED, REGRESSION, categorise, differences
 from benchmarks.transformers_suite.junit import Outcome, read_outcomes, read_seconds
+from hf_memo.patches import supported_model_types
 from tests.conftest import FAMILY_BUILDERS
+from tests.model_catalog import CATALOG
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -90,10 +100,11 @@ def test_install_patches_new_causal_lms_only_and_uninstall_stops_it(level):
     plugin.install("selective", level, chunks=2, offload_fraction=0.25)
     try:
         built = [FAMILY_BUILDERS[name]() for name in ("llama", "gpt2")]
+        built += [CATALOG[name].build() for name in ("qwen3_moe", "cohere2")]  # no fixed list of classes
         backbone = LlamaModel(LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                           num_attention_heads=2))  # fmt: skip
         configs = [hf_memo.applied_config(model) for model in built]
-        assert configs == [plugin.memo_config("selective", 2, 0.25)] * 2
+        assert configs == [plugin.memo_config("selective", 2, 0.25)] * 4
         assert configs[0].mlp_chunks == configs[0].lm_head_chunks == 2
         assert not hasattr(backbone, "_hf_memo_patch")
         plugin.COUNT.settle()
@@ -101,6 +112,29 @@ def test_install_patches_new_causal_lms_only_and_uninstall_stops_it(level):
     finally:
         plugin.uninstall()
     assert hf_memo.applied_config(FAMILY_BUILDERS["llama"]()) is None
+    assert hf_memo.applied_config(CATALOG["qwen3_moe"].build()) is None
+
+
+def test_class_level_covers_the_causal_lm_of_every_proven_model_type():
+    classes = plugin.class_level_classes()
+    assert len(classes) == len(supported_model_types())
+    assert {GPT2LMHeadModel, Gemma3ForConditionalGeneration, GptOssForCausalLM} <= set(classes)
+
+
+def test_a_causal_lm_hf_memo_refuses_runs_stock_and_is_counted(monkeypatch):
+    count = plugin.PatchCount()
+    monkeypatch.setattr(plugin, "COUNT", count)
+    plugin.install("memo", "instance", chunks=2, offload_fraction=0.5)
+    try:
+        model = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                                         num_attention_heads=2, word_embed_proj_dim=16))  # fmt: skip
+        FAMILY_BUILDERS["qwen2"]()
+    finally:
+        plugin.uninstall()
+    assert hf_memo.applied_config(model) is None
+    count.settle()
+    assert count.line().startswith("hf_memo patched 1 of 1 supported causal LMs built; refused 1x: hf_memo cannot ")
+    assert "OPTForCausalLM" in count.line()
 
 
 def test_stock_patches_nothing():
@@ -114,7 +148,9 @@ def test_stock_patches_nothing():
 # A stand-in for a transformers model test file: passes stock, fails once hf_memo patches the model.
 FAKE_MODEL_TEST = """
 import hf_memo
+from hf_memo.patches import supported_model_types
 from tests.conftest import FAMILY_BUILDERS
+from tests.model_catalog import CATALOG
 
 
 def test_builds_an_unpatched_model():
