@@ -13,7 +13,7 @@ from transformers import (
 )
 
 import hf_memo
-from hf_memo.patches.head_transform import LogitTransform, check_logit_transform, logit_transform
+from hf_memo.patches.head_transform import LogitTransform, confirmed_logit_transform, logit_transform
 from tests.conftest import build_model
 
 TINY = dict(
@@ -38,13 +38,27 @@ TINY = dict(
         (lambda: build_model("llama"), LogitTransform()),
     ],
 )
-def test_the_transform_is_read_from_the_traits_and_matches_the_models_own_logits(model, transform):
+def test_the_transform_is_read_from_the_traits_and_confirmed_by_the_models_own_logits(model, transform):
     model = model().double()
     assert logit_transform(model) == transform
-    check_logit_transform(model, model.forward, transform)
-    if transform != LogitTransform():  # the check does see a transform left out
-        with pytest.raises(ValueError, match="not its head's output"):
-            check_logit_transform(model, model.forward, LogitTransform())
+    assert confirmed_logit_transform(model) == transform
+
+
+class _IgnoresItsSoftcap(Gemma2ForCausalLM):
+    """A causal LM whose config names a final soft-cap its forward does not apply (as Gemma 3's multimodal class)."""
+
+    def forward(self, *args, **kwargs):
+        cap, self.config.final_logit_softcapping = self.config.final_logit_softcapping, None
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.config.final_logit_softcapping = cap
+
+
+def test_a_trait_the_forward_ignores_is_not_applied():
+    model = _IgnoresItsSoftcap(Gemma2Config(**TINY, final_logit_softcapping=3.0)).double()
+    assert logit_transform(model) == LogitTransform(softcap=3.0)
+    assert confirmed_logit_transform(model) == LogitTransform()
 
 
 class _DoubledLogits(LlamaForCausalLM):
@@ -67,6 +81,6 @@ def test_the_check_leaves_the_rng_and_training_modes_as_they_were():
     model = build_model("llama")
     model.model.layers[0].eval()
     state = torch.get_rng_state()
-    check_logit_transform(model, model.forward, LogitTransform())
+    confirmed_logit_transform(model)
     assert torch.equal(torch.get_rng_state(), state)
     assert model.training and not model.model.layers[0].training

@@ -30,12 +30,13 @@ from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 
 
 def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
-    """The self-attention layers of ``model``: modules named ``*Attention*`` that hold its config and a layer index."""
+    """The self-attention layers of ``model``'s decoder: modules named ``*Attention*`` that hold its text config (the
+    model's own config but for multimodal models, whose vision tower's attention is left alone) and a layer index."""
     return [
         module
         for module in model.modules()
         if "Attention" in type(module).__name__
-        and getattr(module, "config", None) is model.config
+        and getattr(module, "config", None) is model.config.get_text_config()
         and hasattr(module, "layer_idx")
         and not getattr(module, "is_cross_attention", False)
     ]
@@ -75,7 +76,7 @@ class SequenceParallelLM:
         text = model.config.get_text_config()
         heads = text.num_attention_heads
         check_head_counts(size, heads, getattr(text, "num_key_value_heads", None) or heads)
-        inner = model.config._attn_implementation
+        inner = model.config.get_text_config()._attn_implementation
         check_wrappable(inner)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             sequence_parallel_groups(size)
@@ -84,7 +85,7 @@ class SequenceParallelLM:
             raise ValueError(f"sequence parallelism found no attention layers in {type(model).__name__}")
         attention = register_ulysses_attention(inner, size)
         for layer in layers:
-            record.set(layer, "config", AttentionConfigView(model.config, attention))
+            record.set(layer, "config", AttentionConfigView(layer.config, attention))
         return cls(size, inner, attention, getattr(text, "max_position_embeddings", None))
 
     @property

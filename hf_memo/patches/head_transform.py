@@ -2,7 +2,7 @@
 
 hf_memo's loss runs the head per mini-sequence, so it must apply the same transform per chunk. The
 transform is read from the model's traits (Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma's
-``final_logit_softcapping``) and then checked against the model's own forward (:func:`check_logit_transform`):
+``final_logit_softcapping``) and confirmed against the model's own forward (:func:`confirmed_logit_transform`):
 an unknown transform is refused, never silently dropped.
 """
 
@@ -84,41 +84,55 @@ def _backbone_returning(backbone: nn.Module, hidden: torch.Tensor):
         del backbone.forward
 
 
-def check_logit_transform(model: PreTrainedModel, forward: Callable, transform: LogitTransform) -> None:
-    """Check ``transform(head(h))`` against the logits of ``forward`` (the model's own forward) on random hidden
-    states ``h`` ``(1, 3, H)`` fed to it in place of the backbone's output.
-
-    Skipped where the head holds no values here (meta, fake, partitioned).
-
-    Raises:
-        ValueError: they differ: the model transforms its logits in a way hf_memo does not know.
-    """
-    head = model.get_output_embeddings()
-    weight = head.weight
-    if not _checkable(weight):
-        return
-    hidden_size = weight.shape[-1]
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    hidden = torch.randn(1, 3, hidden_size, generator=generator, device=weight.device).to(weight.dtype)
+def _probe_logits(model: PreTrainedModel, forward: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits ``forward`` (the model's own forward) computes from ``hidden`` ``(1, n, H)`` given to it as the
+    backbone's output, in eval mode, without gradient; the model's modes are restored."""
     modes = {module: module.training for module in model.modules()}
     backbone = getattr(model, model.base_model_prefix)
     model.eval()
     try:
         with torch.no_grad(), _backbone_returning(backbone, hidden):
-            logits = forward(input_ids=torch.zeros(1, 3, dtype=torch.long, device=weight.device), **_quiet(forward))
-            expected = logits.logits if hasattr(logits, "logits") else logits[0]
-            got = transform(head(hidden))
+            ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            out = forward(input_ids=ids, **_quiet(forward))
     finally:
         for module, training in modes.items():
             module.training = training
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None = None) -> LogitTransform:
+    """The transform ``model``'s own ``forward`` (default ``model.forward``) applies to its head's output.
+
+    The one its traits describe (:func:`logit_transform`) if the forward computes exactly that from random hidden
+    states ``(1, 3, H)`` given in place of the backbone's output, else none if the forward ignores the traits (Gemma 3's
+    multimodal class reads no ``final_logit_softcapping``); unchecked where the head holds no values here (meta,
+    fake, partitioned).
+
+    Raises:
+        ValueError: neither: the model transforms its logits in a way hf_memo does not know.
+    """
+    described = logit_transform(model)
+    head = model.get_output_embeddings()
+    weight = head.weight
+    if not _checkable(weight):
+        return described
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    hidden = torch.randn(1, 3, weight.shape[-1], generator=generator, device=weight.device).to(weight.dtype)
+    expected = _probe_logits(model, forward or model.forward, hidden).float()
     tolerance = 1e-6 if weight.dtype in (torch.float32, torch.float64) else 1e-2
-    if expected.shape != got.shape or not torch.allclose(expected.float(), got.float(), rtol=tolerance, atol=tolerance):
-        worst = (expected.float() - got.float()).abs().max().item() if expected.shape == got.shape else float("nan")
-        raise ValueError(
-            f"hf_memo cannot patch {type(model).__name__} (model_type {model.config.model_type!r}): its logits are "
-            f"not its head's output with the transforms hf_memo knows (found: {transform.describe()}; largest "
-            f"difference {worst:.3g}), so its loss per mini-sequence would differ"
-        )
+    worst = float("nan")
+    with torch.no_grad():
+        for transform in dict.fromkeys([described, LogitTransform()]):
+            got = transform(head(hidden)).float()
+            if got.shape == expected.shape:
+                if torch.allclose(expected, got, rtol=tolerance, atol=tolerance):
+                    return transform
+                worst = (expected - got).abs().max().item() if transform == described else worst
+    raise ValueError(
+        f"hf_memo cannot patch {type(model).__name__} (model_type {model.config.model_type!r}): its logits are "
+        f"not its head's output with the transforms hf_memo knows (its traits say: {described.describe()}; largest "
+        f"difference {worst:.3g}), so its loss per mini-sequence would differ"
+    )
 
 
 def _quiet(forward: Callable) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def describe_training_batch(
     if shift_labels is None and labels is not None:
         shift_labels = shifted_targets(labels, ignore_index)
     layout = describe_batch(batch, length, mask, arguments.get("position_ids"), shift_labels, ignore_index)
-    implementation = model.config._attn_implementation
+    implementation = model.config.get_text_config()._attn_implementation
     if layout.padding_attends and implementation in FLASH:
         # transformers' flash-attention path unpads the batch: its padding queries get no attention, targets or not.
         layout = dataclasses.replace(layout, padding_attends=False)

@@ -20,7 +20,6 @@ from hf_memo.patches.forwards import (
     memo_layer_forward,
     mlp_forward,
 )
-from hf_memo.patches.head_transform import check_logit_transform
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.sample_attention import install_sample_attention
@@ -61,7 +60,6 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
             :func:`~hf_memo.patches.structure.describe`).
     """
     structure = describe(model)
-    check_logit_transform(model, model.forward, structure.logits)
     if config.recompute == "memo" and config.sequence_parallel_size == 1:
         check_memo_not_under_deepspeed_ulysses()
     takeover = HFCheckpointingTakeover(config)

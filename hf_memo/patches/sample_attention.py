@@ -75,12 +75,12 @@ def install_sample_attention(model: PreTrainedModel, record: Any) -> None:
     implementations (``eager``, ``flex_attention``) keep transformers' masks, which handle padded and
     packed batches too (at ``S x S`` cost).
     """
-    inner = model.config._attn_implementation
+    inner = model.config.get_text_config()._attn_implementation
     if inner not in WRAPPABLE:
         return
     name = register_sample_attention(inner)
     for layer in attention_modules(model):
-        record.set(layer, "config", AttentionConfigView(model.config, name))
+        record.set(layer, "config", AttentionConfigView(layer.config, name))
     record.set(model, _INSTALLED, True)
 
 

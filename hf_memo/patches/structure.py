@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
-from hf_memo.patches.head_transform import LogitTransform, logit_transform
+from hf_memo.patches.head_transform import LogitTransform, confirmed_logit_transform
 
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 ATTENTION_NAMES = ("self_attn", "attn", "self_attention")
@@ -157,7 +157,7 @@ def describe(model: PreTrainedModel) -> Structure:
         layers=list(layers),
         mlps=[mlp_of(layer) for layer in layers],
         final_norm=f"{prefix}.{norm}" if prefix else norm,
-        logits=logit_transform(model),
+        logits=confirmed_logit_transform(model),
         output_class=_output_class(model),
         mlp_width=mlp_width(text),
     )
