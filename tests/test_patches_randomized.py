@@ -3,7 +3,9 @@ chunk counts, batch layouts, LoRA, live graphs and retained graphs, each against
 
 120 seeds of the five original families and 40 of the catalog's models (``tests/model_catalog.py``) in the suite;
 ``python -m tests.randomized --count N --first SEED [--catalog]`` searches further. Before the live-graph and
-retain_graph fixes, 12 of the 120 seeds gave wrong gradients or crashed.
+retain_graph fixes, 12 of the 120 seeds gave wrong gradients or crashed. Two answers other than exactness are
+accepted: PyTorch's own error for a retained graph under selective checkpointing, and memo's refusal of padding
+with targets under a sliding window.
 """
 
 import pytest
@@ -20,7 +22,16 @@ def _check(case: Case) -> None:
         with pytest.raises(RuntimeError, match="backward an extra time"):  # PyTorch's own message: acceptable
             run(case)
         return
-    assert run(case) <= tolerance(case), case
+    try:
+        worst = run(case)
+    except ValueError as refusal:
+        # memo's documented refusal: padding with targets attends, in transformers' masks, only within a sliding
+        # window, which memo's per-sample attention does not reproduce (the message names the fixes)
+        if not (case.mode.startswith("memo") and case.layout == "right-targets"):
+            raise
+        assert "sliding window" in str(refusal) and "padding with targets" in str(refusal), refusal
+        return
+    assert worst <= tolerance(case), case
 
 
 @pytest.mark.parametrize("seed", SEEDS)
