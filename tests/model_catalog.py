@@ -28,9 +28,11 @@ from tests.conftest import VOCAB
 WINDOW = 8  # sliding-window length: the test sequences are 21-40 tokens, so windows really cut them
 HIDDEN = 32
 # What a gradient may differ by, relative to its largest element, where the model computes in fp32 inside (see
-# ``CatalogModel.fp32_rounded``): fp32 rounding that the patched model re-associates is ~1e-7 of it (eager and
-# SDPA attention of transformers differ by that: tests/test_patches_structure.py::test_fp32_tolerance_is_needed).
-FP32_TOLERANCE = 1e-6
+# ``CatalogModel.fp32_rounded``): fp32 rounding (1.2e-7) that the patched model re-associates, amplified through the
+# layers. Eager and SDPA attention of transformers differ by ~1e-7 (tests/test_patches_structure.py::
+# test_fp32_tolerance_is_needed); Gemma 2 with random LoRA weights under memo by up to 1.7e-6 (randomized seed
+# 2018 of --catalog), and by 1e-15 once its eager softmax runs in fp64.
+FP32_TOLERANCE = 1e-5
 _IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # every special token inside the vocabulary
 _LAYOUT = {
     "vocab_size": VOCAB,

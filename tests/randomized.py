@@ -30,7 +30,9 @@ from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_TOLERANCE, WINDOW, 
 
 MODES = ("none", "full", "selective", "memo", "memo-policy")
 LAYOUTS = ("plain", "left", "right", "right-targets", "packed")
-LORA_TARGETS = ["q_proj", "v_proj", "qkv_proj", "up_proj", "gate_up_proj", "c_fc"]  # those a catalog model has
+# LoRA targets: attention and MLP projections, fused ones (Phi-3) and mixture-of-experts weights (PEFT wraps a
+# fused gate_up expert parameter only with both gate_proj and up_proj targeted) included
+LORA_TARGETS = ["q_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "c_fc"]
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,10 @@ def _models(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
     if case.lora:
         from peft import LoraConfig, get_peft_model
 
-        targets = {"gpt2": ["c_attn", "c_fc"]}.get(case.family, LORA_TARGETS)
+        if case.family in CATALOG:
+            targets = LORA_TARGETS
+        else:
+            targets = ["c_attn", "c_fc"] if case.family == "gpt2" else ["q_proj", "v_proj", "up_proj"]
         torch.manual_seed(case.seed)
         reference = get_peft_model(reference, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     model = copy.deepcopy(reference)
