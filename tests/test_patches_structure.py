@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
-import sys
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 from transformers import PreTrainedModel
+from transformers.models.llama import modeling_llama
 
 import hf_memo
-from tests.conftest import ROOT, assert_same_grads, make_batch, run_command
+from hf_memo.config import MemoConfig
+from tests.conftest import assert_same_grads, make_batch
 from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_catalog_model
 
 SEQ = 29
@@ -140,45 +143,39 @@ def test_fp32_tolerance_is_needed():
     assert_grads_within_fp32_rounding(sdpa, eager)
 
 
-RELOADED_LLAMA = """
-import copy, importlib
-import torch
-import transformers.models.llama.modeling_llama as modeling_llama
-import hf_memo
-from hf_memo.config import MemoConfig
-from tests.conftest import assert_same_grads, make_batch
-from tests.model_catalog import build_catalog_model
+@pytest.fixture
+def llama_module() -> Iterator[ModuleType]:
+    """transformers' Llama modeling module, its names restored after the test (which may reload it), so other
+    tests keep the classes they imported."""
+    names = dict(vars(modeling_llama))
+    yield modeling_llama
+    hf_memo.patches.uninstall_from_class(modeling_llama.LlamaForCausalLM)
+    vars(modeling_llama).update(names)
 
 
-def step(model):
-    ids, labels = make_batch(2, 29)
-    model(input_ids=ids, labels=labels).loss.backward()
-    return model
-
-
-def check(model, config):  # patched with config (hf_memo's forward runs) and exact
+def _check_patched(model: PreTrainedModel, config: MemoConfig) -> None:
+    """``model`` is patched with ``config`` (hf_memo's forward runs) and trains like its unpatched copy."""
     assert hf_memo.applied_config(model) == config and "forward" in vars(model), f"not patched: {type(model)}"
-    assert_same_grads(step(model), step(hf_memo.revert(copy.deepcopy(model))))
+    reference = hf_memo.revert(copy.deepcopy(model))
+    ids, labels = make_batch(2, SEQ)
+    for each in (model, reference):
+        each(input_ids=ids, labels=labels).loss.backward()
+    assert_same_grads(model, reference)
 
 
-before = build_catalog_model("llama")  # hf_memo patches a model of the original class first
-check(hf_memo.apply(before, mlp_chunks=3), MemoConfig(mlp_chunks=3))
-importlib.reload(modeling_llama)
-config = before.config
-assert modeling_llama.LlamaForCausalLM is not type(before)
-
-torch.manual_seed(0)
-memo = MemoConfig(recompute="memo", mlp_chunks=3, lm_head_chunks=3)
-check(hf_memo.apply(modeling_llama.LlamaForCausalLM(config).double(), memo), memo)
-
-selective = MemoConfig(recompute="selective", mlp_chunks=3)
-hf_memo.patches.apply_hf_memo_to_llama(selective)
-check(modeling_llama.LlamaForCausalLM(config).double(), selective)
-"""
-
-
-def test_llama_is_patched_after_its_modeling_module_is_reloaded():
-    """``importlib.reload`` (IPython's autoreload) makes new Llama classes: ``hf_memo.apply`` patches a model of
-    the new class and the class-level installer patches the new class's models. In its own process, so the
-    reload does not change the classes other tests use."""
-    run_command([sys.executable, "-c", RELOADED_LLAMA], env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_llama_is_patched_after_its_modeling_module_is_reloaded(llama_module):
+    """After ``importlib.reload`` (IPython's autoreload) defines new Llama classes, ``hf_memo.apply`` patches a
+    model of the new class and the class-level installer patches the new class's models, though hf_memo patched
+    a model of the original class before."""
+    config = CATALOG["llama"].config()
+    before = hf_memo.apply(llama_module.LlamaForCausalLM(config).double(), mlp_chunks=CHUNKS)
+    importlib.reload(llama_module)
+    cls = llama_module.LlamaForCausalLM
+    assert cls is not type(before)
+    memo = MemoConfig(recompute="memo", mlp_chunks=CHUNKS, lm_head_chunks=CHUNKS)
+    torch.manual_seed(0)
+    _check_patched(hf_memo.apply(cls(config).double(), memo), memo)
+    selective = MemoConfig(recompute="selective", mlp_chunks=CHUNKS)
+    hf_memo.patches.apply_hf_memo_to_llama(selective)
+    torch.manual_seed(0)
+    _check_patched(cls(config).double(), selective)
