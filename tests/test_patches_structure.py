@@ -103,6 +103,25 @@ def assert_grads_match(name: str, mode: str, model: PreTrainedModel, reference: 
         assert_same_grads(model, reference)
 
 
+WINDOWED = {"mistral-window", "mistral-window-eager", "ministral", "mixtral", "mixtral-batched_mm", "gpt_oss",
+            "gemma2", "gemma3_text", "gemma3_text-eager", "gemma3", "phi3", "olmo3", "cohere2", "smollm3",
+            "starcoder2", "exaone4"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CATALOG_NAMES)
+def test_catalog_model_has_its_windows_and_router_loss_switched_on(name):
+    """The traits the matrix is meant to exercise are on: sliding windows shorter than the sequence, and the
+    router loss in the loss of mixture-of-experts models."""
+    _, _, out, reference = _reference(name)
+    config = reference.config.get_text_config()
+    holders = [config, *reference.modules()]  # windows are read from the config or kept on the attention modules
+    windows = {getattr(holder, "sliding_window", None) for holder in holders}
+    assert windows - {None, 0} == ({WINDOW} if name in WINDOWED else set())
+    assert WINDOW < SEQ
+    if CATALOG[name].moe:
+        assert out.aux_loss is not None and config.output_router_logits and config.router_aux_loss_coef > 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", CATALOG_NAMES)
 def test_patched_catalog_model_trains_like_the_unpatched_one(name, mode):
