@@ -191,7 +191,8 @@ def test_memo_right_padding_with_targets_and_ignored_padding_in_one_batch(alpha)
 def test_padding_attends_where_the_models_attention_lets_it(implementation, attends):
     """transformers' flash-attention path unpads the batch (padding queries get nothing); eager and sdpa masks let
     trained padding attend to its sample."""
-    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation))
+    config = SimpleNamespace(_attn_implementation=implementation)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=implementation, get_text_config=lambda: config))
     ids, labels, mask = right_padded_with_targets()
     arguments = describe_training_batch(model, {"input_ids": ids, "attention_mask": mask}, labels, {})
     assert arguments[LAYOUT_KEYWORD].padding_attends is attends

@@ -7,12 +7,14 @@ forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
@@ -26,7 +28,8 @@ from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
-from hf_memo.patches.layer_split import GenericSplit, LayerArguments, find_anatomy, outputs_not_recorded
+from hf_memo.patches.inplace_probe import writes_into_kept_outputs
+from hf_memo.patches.layer_split import GenericSplit, LayerArguments, eval_mode, find_anatomy, outputs_not_recorded
 from hf_memo.patches.packing import describe_training_batch
 from hf_memo.patches.router_logits import (
     RouterLogitsSplit,
@@ -41,6 +44,8 @@ from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.varlen_attention import attention_core_for
+
+logger = logging.getLogger(__name__)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -302,8 +307,13 @@ def memo_layer_forward(
 
 
 def _keep_matmuls_and_attention(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return _keep(SELECTIVE_SAVE_OPS, _ctx, op, *args, **kwargs)
+
+
+def _keep(saved: frozenset | set, _ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective recompute's policy: keep the outputs of the ``saved`` ops, recompute everything else."""
     # Ops without autograd (e.g. inside the mini-sequence functions' own forward) need nothing saved.
-    if op in SELECTIVE_SAVE_OPS and torch.is_grad_enabled() and not _draws_dropout(op, args, kwargs):
+    if op in saved and torch.is_grad_enabled() and not _draws_dropout(op, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -323,11 +333,13 @@ def _draws_dropout(op: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-SELECTIVE_SAVE_OPS = {
+MATMUL_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
+}
+SELECTIVE_SAVE_OPS = MATMUL_OPS | {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
@@ -336,10 +348,18 @@ SELECTIVE_SAVE_OPS = {
 
 
 def checkpointed_layer_forward(
-    config: MemoConfig, takeover: HFCheckpointingTakeover, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any
+    config: MemoConfig,
+    structure: Structure,
+    takeover: HFCheckpointingTakeover,
+    index: int,
+    layer: nn.Module,
+    inner: Callable,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """Decoder-layer forward under ``recompute="full"`` (keep the input) or ``"selective"`` (keep matmul and
-    attention outputs, recompute norms, activations, RoPE and elementwise ops).
+    attention outputs, recompute norms, activations, RoPE and elementwise ops; a layer that writes in place into a
+    matmul's output keeps its attention outputs only, see :mod:`.inplace_probe`).
 
     The hidden states ``(B, S, H)`` go to ``torch.utils.checkpoint`` positionally: it records the RNG state of
     the devices of its positional tensors only, and the recomputation must draw the forward's dropout masks.
@@ -352,9 +372,30 @@ def checkpointed_layer_forward(
         return _through_checkpoint_function(custom, takeover, layer, inner, arguments)
     hidden, arguments, run = _recomputable(takeover, layer, inner, arguments)
     if config.recompute == "selective":
-        context = partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
+        saved = structure.selective_saves.get(index)
+        if saved is None:  # the layer's first selective step
+            saved = structure.selective_saves[index] = _selective_saves(layer, run, hidden, arguments)
+        context = partial(create_selective_checkpoint_contexts, partial(_keep, saved))
         return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
     return checkpoint(run, hidden, use_reentrant=False, **arguments)
+
+
+def selective_saves(writes_into_matmuls: bool) -> frozenset:
+    """The ops whose outputs selective recompute keeps for a layer: matmuls and attention, or attention only where
+    the layer writes into a matmul's output in place (see :mod:`.inplace_probe`)."""
+    return frozenset(SELECTIVE_SAVE_OPS - MATMUL_OPS if writes_into_matmuls else SELECTIVE_SAVE_OPS)
+
+
+def _selective_saves(layer: nn.Module, run: Callable, hidden: torch.Tensor, arguments: dict[str, Any]) -> frozenset:
+    """:func:`selective_saves` for a layer not probed when hf_memo was applied (its weights were not there): probed on
+    the first rows of ``hidden`` ``(B, S, H)``; not on fake tensors (the estimator) nor while ``torch.compile``
+    traces the step."""
+    if is_fake(hidden) or torch.compiler.is_compiling():
+        return selective_saves(False)
+    rows = hidden[:, :4].detach()
+    named = LayerArguments(arguments).rows(0, rows.shape[1])
+    with eval_mode(layer), outputs_not_recorded():
+        return selective_saves(writes_into_kept_outputs(lambda: run(rows, **named), MATMUL_OPS))
 
 
 def _recomputable(

@@ -248,7 +248,7 @@ def find_anatomy(
         handles = [child.register_forward_hook(record_output) for child in layer.children() if child is not attn]
         handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
         try:
-            with _instance_attribute(attn, "forward", attention), _eval(layer):
+            with _instance_attribute(attn, "forward", attention), eval_mode(layer):
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
         finally:
             for handle in handles:
@@ -268,11 +268,16 @@ def find_anatomy(
 
 
 @contextlib.contextmanager
-def _eval(module: nn.Module) -> Iterator[None]:
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and its children in eval mode inside (no dropout), and the random generators of the CPU and of
+    ``module``'s CUDA device as they were afterwards (a kernel may draw a seed even without dropout): a probe leaves
+    the step's random stream as it found it. Afterwards each module is in its own mode again."""
     modes = {m: m.training for m in module.modules()}
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     module.eval()
     try:
-        yield
+        with torch.random.fork_rng(devices=devices):
+            yield
     finally:
         for m, training in modes.items():
             m.training = training
@@ -321,7 +326,7 @@ def check_split(
         return
     attn = attention_of(layer)
     n = rows.shape[1]
-    with torch.no_grad(), outputs_not_recorded(), _eval(layer):
+    with torch.no_grad(), outputs_not_recorded(), eval_mode(layer):
         split = GenericSplit(layer, inner, arguments, replace(anatomy, traits=replace(anatomy.traits, dropout_p=0.0)))
         q, k, v = split.project(rows, 0, n)
         got = split.finish(rows, _reference_attention(q, k, v, split.traits))

@@ -12,6 +12,7 @@ from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.zero3 import Zero3Regions, head_forward, zero3_expected
 from hf_memo.patches.forwards import (
+    MATMUL_OPS,
     FinalNormDeferral,
     backbone_forward,
     causal_lm_forward,
@@ -19,8 +20,10 @@ from hf_memo.patches.forwards import (
     final_norm_forward,
     memo_layer_forward,
     mlp_forward,
+    selective_saves,
 )
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
+from hf_memo.patches.inplace_probe import layers_writing_into_kept_outputs
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.sample_attention import install_sample_attention
 from hf_memo.patches.structure import Structure, describe
@@ -70,6 +73,9 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
     if sequence_parallel is None:  # (Ulysses attends per sample itself)
         install_sample_attention(model, record)
     layers = structure.layers
+    if config.recompute == "selective":  # before any step, so torch.compile never traces the probe
+        writes = layers_writing_into_kept_outputs(model, layers, MATMUL_OPS) or {}
+        structure.selective_saves.update({index: selective_saves(w) for index, w in writes.items()})
     runtime = None
     if config.recompute == "memo":
         planner = partial(plan_patched_model, model) if config.planner != "off" else None
@@ -83,7 +89,7 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
                 layer, partial(memo_layer_forward, config, structure, runtime, sequence_parallel, takeover, index)
             )
         elif config.recompute in ("full", "selective"):
-            record.install_forward(layer, partial(checkpointed_layer_forward, config, takeover))
+            record.install_forward(layer, partial(checkpointed_layer_forward, config, structure, takeover, index))
     backbone = getattr(model, model.base_model_prefix)
     deferral = FinalNormDeferral()
     norm, head = model.get_submodule(structure.final_norm), model.get_output_embeddings()

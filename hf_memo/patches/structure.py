@@ -55,6 +55,7 @@ class Structure:
     output_class: type[ModelOutput]
     mlp_width: int
     anatomies: dict[int, Any] = field(default_factory=dict)  # per layer index, found at its first memo step
+    selective_saves: dict[int, frozenset] = field(default_factory=dict)  # per layer index, at its first selective step
 
 
 def refuse(model: nn.Module, reason: str) -> ValueError:
