@@ -8,6 +8,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_memo.integrations.flops import FlopModel, peak_flops_of, token_counts
 from tests.conftest import build_model
+from tests.model_catalog import build_catalog_model
 
 # The tiny llama of tests/conftest.py: V=101, H=32, I=72, 2 layers, 4 heads of 8, 2 KV heads.
 LLAMA_LAYER = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 72 + 2 * 32  # q, k, v, o, MLP, two norms: 10048
@@ -85,3 +86,12 @@ def test_token_counts_of_unpadded_padded_and_packed_rows():
 )
 def test_peak_flops_of_known_gpus_and_none_for_others(name, flops):
     assert peak_flops_of(name) == flops
+
+
+def test_a_mixture_of_experts_counts_the_experts_one_token_goes_through():
+    """Qwen3-MoE with 4 experts, top 2: a token multiplies by half of the experts' weights, all of the rest."""
+    model = build_catalog_model("qwen3_moe")
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    assert experts > 0 and model.config.num_experts == 4 and model.config.num_experts_per_tok == 2
+    assert FlopModel.of(model).trainable == rest + experts // 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,12 +55,27 @@ def _numel(param: nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))  # DeepSpeed ZeRO-3 partitions hold a slice
 
 
+def _routed_fraction(config: Any) -> float:
+    """The share of a mixture of experts' weights one token goes through: ``top_k / experts`` (1 for dense models)."""
+    experts = next(
+        (
+            getattr(config, n)
+            for n in ("num_experts", "num_local_experts", "n_routed_experts")
+            if getattr(config, n, None)
+        ),
+        0,
+    )
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None) or experts
+    return top_k / experts if experts else 1.0
+
+
 @dataclass(frozen=True)
 class FlopModel:
     """What the model FLOPs of a step depend on.
 
     Attributes:
-        trainable: elements of trainable weights taking part in matrix products (not embedding lookups).
+        trainable: elements of trainable weights taking part in matrix products (not embedding lookups); a mixture of
+            experts counts the share one token goes through (``top_k / experts`` of the experts' weights).
         frozen: the same for frozen weights.
         layers: decoder layers ``n``.
         attention_width: query width ``a`` = attention heads x head dimension.
@@ -77,19 +93,21 @@ class FlopModel:
         head = causal_lm.get_output_embeddings()
         head_weight = None if head is None else head.weight
         lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - {id(head_weight)}
+        text = causal_lm.config.get_text_config()
+        routed = _routed_fraction(text)
         trainable = frozen = 0
         seen: set[int] = set()
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if id(param) in seen or id(param) in lookups:
                 continue
             seen.add(id(param))
+            count = _numel(param) * (routed if ".experts." in f".{name}" else 1)
             if param.requires_grad:
-                trainable += _numel(param)
+                trainable += count
             else:
-                frozen += _numel(param)
-        text = causal_lm.config.get_text_config()
+                frozen += count
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(trainable, frozen, text.num_hidden_layers, text.num_attention_heads * head_dim)
+        return cls(round(trainable), round(frozen), text.num_hidden_layers, text.num_attention_heads * head_dim)
 
     def flops(self, tokens: int, squared_lengths: int) -> float:
         """Model FLOPs of forward + backward over samples of lengths ``s_i``.
