@@ -2,7 +2,11 @@
 
 Every case compares the loss on every rank and every parameter gradient, after the data-parallel
 average over the world that DDP applies (or with the model actually wrapped in DDP), with plain
-Hugging Face on the whole batch. Bad input must fail on every rank, before the step does anything.
+Hugging Face on the whole batch. Besides the five families of ``tests.conftest``, models of the catalog
+(``tests/model_catalog.py``) bring the attention traits and layer layouts of other families: a sliding window
+shorter than the sequence, soft-capped scores, sinks, a parallel and a post-norm layout, a mixture-of-experts
+model without its router loss (which sequence parallelism refuses). Bad input must fail on every rank, before
+the step does anything.
 Each process group is started once per test (starting one costs seconds), and a test reports every
 failing case, not just the first.
 """
@@ -22,7 +26,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_memo
 from hf_memo.runtime.arena import ArenaWarning
 from tests.conftest import assert_same_grads, build_model, make_batch
+from tests.model_catalog import CATALOG, build_catalog_model
 from tests.multiprocess import run_processes
+from tests.test_patches_structure import assert_grads_within_fp32_rounding
 
 CHUNKS = dict(mlp_chunks=2, lm_head_chunks=3)
 MEMO = dict(recompute="memo", offload_fraction=0.5)  # 4 layers: the first two are swapped to the host
@@ -40,20 +46,38 @@ class Case:
     ddp: bool = False
     checkpointing: bool = False
     memo: dict = field(default_factory=dict)  # MemoConfig fields for the sequence-parallel model
+    catalog: bool = False  # ``family`` names a catalog model (fp64); ``overrides`` are set on its config
+    attention: str | None = None  # the attention implementation the sequence-parallel model is switched to
+
+
+def _build(case: Case) -> torch.nn.Module:
+    """The unpatched model of ``case`` (with the attention implementation of its family)."""
+    if not case.catalog:
+        return build_model(case.family, **case.overrides)
+    model = build_catalog_model(case.family)
+    for name, value in case.overrides.items():
+        setattr(model.config, name, value)
+    return model
+
+
+def _catalog_case(name: str, memo: dict | None = None, attention: str | None = None, **overrides) -> Case:
+    """Catalog model ``name`` on 2 rows of 21 tokens (longer than its sliding windows, padded for sp=2 and 4)."""
+    return Case(name, *make_batch(2, 21), overrides=overrides, memo=memo or {}, catalog=True, attention=attention)
 
 
 def _batch_case(family, batch, seq, masked=0.3, **overrides):
     return Case(family, *make_batch(batch, seq, masked), overrides=overrides)
 
 
-def _packed_case(family, rows, memo=None, **overrides):
+def _packed_case(family, rows, memo=None, catalog=False, **overrides):
     """Rows of packed samples (``rows``: each row's sample lengths, equal sums), positions restarting."""
     gen = torch.Generator().manual_seed(sum(map(sum, rows)))
     ids = torch.stack([torch.randint(3, 101, (sum(lengths),), generator=gen) for lengths in rows])
     positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
     labels = ids.masked_fill(positions == 0, -100)  # a sample's first token is nobody's target
     labels[0, 2] = -100
-    return Case(family, ids, labels, overrides=overrides, kwargs={"position_ids": positions}, memo=memo or {})
+    kwargs = {"position_ids": positions}
+    return Case(family, ids, labels, overrides=overrides, kwargs=kwargs, memo=memo or {}, catalog=catalog)
 
 
 def _left_padded_case(memo=None, **overrides):
@@ -118,6 +142,36 @@ def two_rank_cases() -> dict[str, Case]:
         "memo executor, alpha solved (calibration runs the all-to-alls on every rank)": Case(
             "llama", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo={"recompute": "memo"}
         ),
+        **catalog_cases(),
+    }
+
+
+def catalog_cases() -> dict[str, Case]:
+    """Catalog models under sp=2, in no recompute and under the memo executor.
+
+    Gemma 2 (soft-capped scores) and gpt-oss (sinks) have no ``sdpa`` and sequence parallelism wraps no eager
+    attention: their sequence-parallel models are switched to ``sdpa``, which the memo executor never calls in
+    training (its core attends with the layer's soft-cap and sinks); the reference runs their eager attention.
+    """
+    memo = dict(recompute="memo", offload_fraction=0.5)  # 2-3 layers: the first is swapped to the host
+    return {
+        "catalog mistral-window (window < S)": _catalog_case("mistral-window"),
+        "catalog mistral-window, selective recompute": _catalog_case("mistral-window", {"recompute": "selective"}),
+        "catalog mistral-window, memo executor": _catalog_case("mistral-window", memo),
+        "catalog mistral-window, memo executor, packed": _packed_case(
+            "mistral-window", [(12, 3, 6), (2, 19)], memo=memo, catalog=True
+        ),
+        "catalog cohere (parallel attention and MLP)": _catalog_case("cohere"),
+        "catalog cohere, memo executor": _catalog_case("cohere", memo),
+        "catalog olmo2 (post-norm)": _catalog_case("olmo2"),
+        "catalog olmo2, memo executor": _catalog_case("olmo2", memo),
+        "catalog gemma2 (soft-capped scores), memo executor": _catalog_case("gemma2", memo, "sdpa"),
+        "catalog gpt_oss (sinks, dense path), memo executor": _catalog_case(
+            "gpt_oss", memo, "sdpa", output_router_logits=False
+        ),
+        "catalog qwen3_moe without its router loss, memo executor": _catalog_case(
+            "qwen3_moe", memo, output_router_logits=False
+        ),
     }
 
 
@@ -148,7 +202,9 @@ def _averaged_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _sp_step(case: Case, sp: int) -> dict:
-    model = build_model(case.family, **case.overrides)
+    model = _build(case)
+    if case.attention is not None:
+        model.config._attn_implementation = case.attention
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS, **case.memo)
@@ -189,7 +245,11 @@ def _two_rank_worker(rank, world):
         hf_memo.apply(build_model("llama"), sequence_parallel_size=2)(input_ids=own_ids, labels=own_labels)
 
     three_heads = dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    routed = build_catalog_model("qwen3_moe")  # output_router_logits on
     results["errors"] = {
+        "router aux loss": _expect_error(
+            lambda: hf_memo.apply(routed, sequence_parallel_size=2)(input_ids=ids, labels=labels)
+        ),
         "world size": _expect_error(lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=4)),
         "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **three_heads), sequence_parallel_size=2)),
         "eager attention": _expect_error(
@@ -212,7 +272,7 @@ def _four_rank_worker(rank, world):
 
 
 def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
-    model = build_model(case.family, **case.overrides)
+    model = _build(case)
     kwargs = dict(case.kwargs)
     if "position_ids" in kwargs:  # packed: transformers keeps samples apart only without a mask (the padding at
         kwargs.pop("attention_mask", None)  # the end then forms samples of its own, with no target)
@@ -221,13 +281,18 @@ def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, out.loss.detach()
 
 
-def _compare(name: str, got: dict, want_loss: torch.Tensor, want_grads: dict, family: str, overrides: dict) -> None:
+def _compare(got: dict, want_loss: torch.Tensor, want_grads: dict, case: Case) -> None:
+    """Loss and gradients as the unpatched model's (a catalog model's to fp32 rounding where it computes in fp32
+    inside: ``CatalogModel.fp32_rounded``)."""
     assert torch.isfinite(got["loss"]), f"loss is {got['loss']}"
     torch.testing.assert_close(got["loss"], want_loss, rtol=1e-6, atol=0)
-    model, reference = build_model(family, **overrides), build_model(family, **overrides)
+    model, reference = _build(case), _build(case)
     for (param_name, param), ref in zip(model.named_parameters(), reference.parameters()):
         param.grad, ref.grad = got["grads"][param_name], want_grads[param_name]
-    assert_same_grads(model, reference)
+    if case.catalog and CATALOG[case.family].fp32_rounded(case.memo.get("recompute", "none")):
+        assert_grads_within_fp32_rounding(model, reference)
+    else:
+        assert_same_grads(model, reference)
 
 
 def _failures(per_rank: list[dict], cases: dict[str, Case]) -> list[str]:
@@ -238,7 +303,7 @@ def _failures(per_rank: list[dict], cases: dict[str, Case]) -> list[str]:
         grads = {n: p.grad for n, p in reference.named_parameters()}
         for rank, results in enumerate(per_rank):
             try:
-                _compare(name, results[name], loss, grads, case.family, case.overrides)
+                _compare(results[name], loss, grads, case)
             except AssertionError as error:
                 failures.append(f"{name}, rank {rank}: {error}")
     return failures
@@ -253,6 +318,7 @@ def test_two_ranks_match_single_process_and_refuse_bad_input_on_every_rank():
     mask[0, 9:] = 0
     want = build_model("llama").eval()(input_ids=ids, attention_mask=mask).logits
     expected_errors = {
+        "router aux loss": "does not compute the router aux loss under sequence parallelism",
         "world size": "MemoConfig.sequence_parallel_size=4 must divide the world size 2",
         "heads": "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3",
         "eager attention": "attn_implementation to be one of sdpa, flash_attention_2",
@@ -276,13 +342,14 @@ def test_four_ranks_match_single_process_and_replicas_average_under_ddp():
     per_rank = run_processes(_four_rank_worker, 4)
     failures = _failures(per_rank, four_rank_cases())
 
-    references = [_reference(Case("llama", *_replica_batch(r), overrides={"num_key_value_heads": 1})) for r in (0, 1)]
+    replicas = [Case("llama", *_replica_batch(r), overrides={"num_key_value_heads": 1}) for r in (0, 1)]
+    references = [_reference(case) for case in replicas]
     replica_grads = [{n: p.grad for n, p in model.named_parameters()} for model, _ in references]
     averaged = {name: (replica_grads[0][name] + replica_grads[1][name]) / 2 for name in replica_grads[0]}
     for rank, results in enumerate(per_rank):
         try:
             got = results["2 replicas x sp=2, DDP"]
-            _compare("replicas", got, references[rank // 2][1], averaged, "llama", {"num_key_value_heads": 1})
+            _compare(got, references[rank // 2][1], averaged, replicas[rank // 2])
         except AssertionError as error:
             failures.append(f"2 replicas x sp=2 under DDP, rank {rank}: {error}")
     assert not failures, "\n".join(failures)
