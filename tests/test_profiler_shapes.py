@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import BertConfig, LlamaConfig, T5Config
 
+import hf_memo
 from hf_memo.profiler.fake_model import fake_causal_lm
 from hf_memo.profiler.shapes import SHAPE_NAMES, builtin_config, load_config
 
@@ -16,6 +17,14 @@ from hf_memo.profiler.shapes import SHAPE_NAMES, builtin_config, load_config
         ("llama-2-7b", 6.74, 32),
         ("llama-2-13b", 13.02, 40),
         ("llama-3-8b", 8.03, 32),
+        ("mistral-7b", 7.24, 32),
+        ("qwen2.5-7b", 7.62, 28),
+        ("qwen3-8b", 8.19, 36),
+        ("gemma-2-9b", 9.24, 42),
+        ("phi-3-mini", 3.82, 32),
+        ("mixtral-8x7b", 46.70, 32),
+        ("qwen3-30b-a3b", 30.53, 48),
+        ("gpt-oss-20b", 20.91, 24),
     ],
 )
 def test_builtin_shapes_have_the_published_sizes(name, billions, layers):
@@ -23,6 +32,8 @@ def test_builtin_shapes_have_the_published_sizes(name, billions, layers):
     model, _ = fake_causal_lm(config, torch.bfloat16)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
     assert config.num_hidden_layers == layers
+    hf_memo.apply(model, recompute="memo")  # the estimator profiles it patched: its structure is recognised
+    assert hf_memo.applied_config(model).recompute == "memo"
 
 
 def test_unknown_names_list_the_known_ones():

@@ -4,7 +4,9 @@ a Hugging Face Hub model id).
 ``gpt-7b`` ... ``gpt-65b`` are the decoder shapes the MEMO paper evaluates (7B/13B/30B/65B GPT models),
 written as Llama-architecture configs with the LLaMA-1 sizes of those parameter counts (layers,
 hidden size, heads, MLP width, 32000-token vocabulary). ``llama-2-7b``, ``llama-2-13b`` and
-``llama-3-8b`` are those models' published configs.
+``llama-3-8b`` are those models' published configs, as are the shapes of other families people fine-tune on long
+contexts (Mistral, Qwen 2.5 and 3, Gemma 2, Phi-3, and the mixtures of experts Mixtral, Qwen3-MoE and gpt-oss).
+Any other model: its ``config.json`` or Hub id.
 """
 
 from __future__ import annotations
@@ -53,7 +55,47 @@ _SHAPES = {
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
     ),
-}
+    "mistral-7b": lambda: CONFIG_MAPPING["mistral"](
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, sliding_window=4096,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": lambda: CONFIG_MAPPING["qwen2"](
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "qwen3-8b": lambda: CONFIG_MAPPING["qwen3"](
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "gemma-2-9b": lambda: CONFIG_MAPPING["gemma2"](
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+    ),
+    "phi-3-mini": lambda: CONFIG_MAPPING["phi3"](
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, pad_token_id=32000,
+        tie_word_embeddings=False,
+    ),
+    "mixtral-8x7b": lambda: CONFIG_MAPPING["mixtral"](
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": lambda: CONFIG_MAPPING["qwen3_moe"](
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": lambda: CONFIG_MAPPING["gpt_oss"](
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
 SHAPE_NAMES = tuple(_SHAPES)
 
 
