@@ -21,12 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from transformers import PreTrainedModel
 from transformers.models.llama import modeling_llama
 
 import hf_memo
 from hf_memo.config import MemoConfig
-from tests.conftest import assert_same_grads, make_batch
+from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_catalog_model
 
 SEQ = 29
@@ -198,3 +199,37 @@ def test_llama_is_patched_after_its_modeling_module_is_reloaded(llama_module):
     hf_memo.patches.apply_hf_memo_to_llama(selective)
     torch.manual_seed(0)
     _check_patched(cls(config).double(), selective)
+
+
+REFUSALS = {
+    "qwen3_next": (
+        lambda: transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_experts=4, pad_token_id=0, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8)),
+        "decoder layer 0 has no softmax self-attention .*hybrid layers",
+    ),
+    "chunked attention": (
+        lambda: build_model("llama", attention_chunk_size=8),
+        "chunked attention .*attention_chunk_size=8",
+    ),
+    "kv sharing": (
+        lambda: build_model("llama", num_kv_shared_layers=1),
+        r"layers that reuse .*\(KV sharing\) \(config\.num_kv_shared_layers=1",
+    ),
+    "encoder-decoder": (
+        lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_heads=4)),
+        "encoder-decoder models are not supported",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_cannot_be_patched_exactly_is_refused_with_the_model_and_the_reason(case):
+    build, reason = REFUSALS[case]
+    model = build()
+    with pytest.raises(ValueError, match=f"hf_memo cannot patch {type(model).__name__} .*: {reason}"):
+        hf_memo.apply(model)
+    assert hf_memo.applied_config(model) is None
