@@ -4,7 +4,9 @@ Every test runs DeepSpeed itself on CPU (``DS_ACCELERATOR=cpu``) over two gloo p
 the unpatched model under the same ZeRO-3 config: 2 optimizer steps of 2 accumulated micro-batches each, the
 loss of every micro-batch and every parameter's full gradient (``deepspeed.utils.safe_get_full_grad``, fp32)
 before each step. Parameters are partitioned down to the smallest (``stage3_param_persistence_threshold: 0``),
-so no weight escapes ZeRO-3. Skipped where DeepSpeed is not installed (``DS_BUILD_OPS=0 pip install deepspeed``).
+so no weight escapes ZeRO-3. A mixture-of-experts model (the catalog's Qwen3-MoE, whose sparse MoE blocks
+DeepSpeed makes leaf modules) also returns the router aux loss, compared too. Skipped where DeepSpeed is not
+installed (``DS_BUILD_OPS=0 pip install deepspeed``).
 Run alone with ``python -m pytest -n 0 tests/test_parallel_zero3.py``.
 """
 
@@ -19,6 +21,7 @@ import torch
 import hf_memo
 from hf_memo.patches.apply import causal_lm_of
 from tests.conftest import build_model, make_batch
+from tests.model_catalog import build_catalog_model
 from tests.multiprocess import run_processes
 
 pytest.importorskip("deepspeed")
@@ -32,6 +35,7 @@ MODES = {
     "memo alpha=0.5": {"recompute": "memo", "offload_fraction": 0.5},
     "memo alpha=1": {"recompute": "memo", "offload_fraction": 1.0},
 }
+MOE = "qwen3_moe"  # router logits on, router_aux_loss_coef 0.25; its sparse MoE blocks are DeepSpeed leaf modules
 TOKENS = 13
 RELATIVE = 1e-5  # fp32: |got - want| <= 1e-5 * max |want|, per gradient tensor
 
@@ -120,6 +124,11 @@ def _released(model: torch.nn.Module) -> bool:
     return all(p.ds_status.name == "NOT_AVAILABLE" and p.data.numel() == 0 for p in params)
 
 
+def _build(name: str) -> torch.nn.Module:
+    """``build_model("llama")`` or the catalog model ``name``, in fp32."""
+    return build_model("llama", dtype=torch.float32) if name == "llama" else build_catalog_model(name).float()
+
+
 def _loaded_under_zero3(config: dict, folder: str) -> torch.nn.Module:
     """``build_model("llama")`` saved and loaded back with ``from_pretrained`` while transformers' DeepSpeed config
     says ZeRO-3: transformers builds it under ``deepspeed.zero.Init``, so it is partitioned before hf_memo sees it."""
@@ -143,36 +152,45 @@ def _train(
     rank: int,
     memo: dict | None,
     *,
+    name: str = "llama",
     sp: int = 1,
     lora: bool = False,
+    frozen_embeddings: bool = False,
     count: bool = False,
     folder: str = "",
     accumulation: int = 2,
     **zero,
 ) -> dict:
-    """2 optimizer steps x ``accumulation`` micro-batches of ``build_model("llama")`` (hf_memo applied with ``memo``
-    unless None), under ZeRO-3 (``zero`` adds to ``zero_optimization``); from ``folder`` if given (see
-    :func:`_loaded_under_zero3`)."""
+    """2 optimizer steps x ``accumulation`` micro-batches of model ``name`` (:func:`_build`; hf_memo applied with
+    ``memo`` unless None), under ZeRO-3 (``zero`` adds to ``zero_optimization``); from ``folder`` if given (see
+    :func:`_loaded_under_zero3`). Its losses, router aux losses (if any), gradients before each step, and the
+    number of DeepSpeed leaf modules."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     config = zero3_config(accumulation, **zero)
-    model = _loaded_under_zero3(config, folder) if folder else build_model("llama", dtype=torch.float32)
+    model = _loaded_under_zero3(config, folder) if folder else _build(name)
     if lora:
         model = _lora(model)
+    if frozen_embeddings:  # the first layer's hidden states need no gradient
+        model.get_input_embeddings().requires_grad_(False)
     if memo is not None:
         hf_memo.apply(model, **memo, **CHUNKS, sequence_parallel_size=sp)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
     counter = GatherCounter(_owners(engine.module)) if count else None
-    result: dict = {"losses": [], "grads": [], "calls": [], "released": []}
+    result: dict = {"losses": [], "aux_losses": [], "grads": [], "calls": [], "released": []}
+    result["leaves"] = sum(getattr(m, "_z3_leaf", False) for m in engine.module.modules())
     try:
         for step in range(2):
             if counter is not None:
                 counter.reset()
             for micro in range(accumulation):
                 ids, labels = _batch(rank, step, micro, sp)
-                loss = engine(input_ids=ids, labels=labels).loss
+                out = engine(input_ids=ids, labels=labels)
+                loss = out.loss
+                if getattr(out, "aux_loss", None) is not None:
+                    result["aux_losses"].append(out.aux_loss.detach().clone())
                 if counter is not None:
                     result["released"].append(_released(engine.module))
                 engine.backward(loss)
@@ -196,8 +214,11 @@ def _train(
 
 
 def _assert_same(got: dict, want: dict, what: str) -> None:
-    for i, (loss, reference) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        torch.testing.assert_close(loss, reference, rtol=RELATIVE, atol=0, msg=lambda m, i=i: f"{what}, loss {i}: {m}")
+    for kind in ("losses", "aux_losses"):
+        for i, (loss, reference) in enumerate(zip(got[kind], want[kind], strict=True)):
+            torch.testing.assert_close(
+                loss, reference, rtol=RELATIVE, atol=0, msg=lambda m, i=i, kind=kind: f"{what}, {kind} {i}: {m}"
+            )
     for step, (grads, reference) in enumerate(zip(got["grads"], want["grads"], strict=True)):
         assert grads.keys() == reference.keys() and grads, what
         for name, grad in reference.items():
@@ -259,6 +280,32 @@ def test_lora_sequence_parallelism_zero_init_and_cpu_offload_are_exact_under_zer
         for name, (want, got) in results.items():
             _assert_same(got, want, f"rank {rank}, {name}")
         assert all("lora_" in n for n in results["lora"][1]["grads"][0])  # only the adapters train
+
+
+def _moe_worker(rank: int, world: int) -> dict:
+    _environment(rank, world)
+    memo, reference = MODES["memo alpha=1"], _train(rank, None, name=MOE)
+    return {
+        "none": (reference, _train(rank, MODES["none"], name=MOE)),
+        "memo alpha=1": (reference, _train(rank, memo, name=MOE)),
+        "memo alpha=1, frozen embeddings": (
+            _train(rank, None, name=MOE, frozen_embeddings=True),
+            _train(rank, memo, name=MOE, frozen_embeddings=True),
+        ),
+    }
+
+
+def test_moe_model_with_its_router_aux_loss_is_exact_under_zero3(monkeypatch):
+    """DeepSpeed reduces a leaf module's gradients once per call of the module, where hf_memo calls it per chunk:
+    hf_memo runs that reduction once per backward of the layer instead (in every mode, the memo executor's
+    chunks differentiated one by one included, and where the first layer's input needs no gradient)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for rank, results in enumerate(run_processes(_moe_worker, 2)):
+        for name, (want, got) in results.items():
+            assert want["leaves"] == got["leaves"] == 2  # DeepSpeed's defaults make both MoE blocks leaf modules
+            assert len(want["aux_losses"]) == 4 and len(set(map(float, want["aux_losses"]))) == 4
+            _assert_same(got, want, f"rank {rank}, {name}")
+        assert not any("embed" in name for name in results["memo alpha=1, frozen embeddings"][1]["grads"][0])
 
 
 def test_apply_under_a_zero3_config_registers_each_region_and_revert_removes_it():

@@ -16,16 +16,30 @@ call that spans each region and owns every parameter the region uses:
 
 Gradients reach DeepSpeed as with any module: each parameter's gradient is returned once per backward by
 hf_memo's autograd function (summed over chunks), and ZeRO-3's per-parameter hook reduce-scatters it.
+
+*Leaf modules* (``deepspeed.utils.set_z3_leaf_modules``; DeepSpeed makes Mixtral's, Qwen2-MoE's and Qwen3-MoE's
+sparse MoE blocks leaves by default) have no per-parameter hook: DeepSpeed reduce-scatters all their parameters'
+gradients in a full backward hook of the leaf module, which fires once per call of the module. Inside a region
+hf_memo calls the module once per chunk (and the memo executor differentiates each chunk on its own), so the hook
+would fire once per chunk, before hf_memo has returned the parameters' gradients. hf_memo therefore adopts the
+hook (:meth:`Zero3Regions.ensure`, once DeepSpeed has set it): it is taken off the leaf module and runs once per
+backward of the region's owner, after the owner's parameters have their gradients (:class:`_AfterRegionBackward`).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+# The name of the full backward hook by which DeepSpeed's ZeRO-3 optimizer reduces a leaf module's gradients
+# (``DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks``).
+_LEAF_REDUCTION = "reduce_leaf_module_grads"
 
 
 def is_partitioned(module: nn.Module) -> bool:
@@ -64,6 +78,9 @@ class Zero3Regions:
         self.head = head
         self.head_region = HeadRegion()
         self._registered: list[tuple[nn.Module, nn.Parameter]] = []
+        # owner -> the leaf-module gradient reductions it runs: (leaf module, hook key, hook)
+        self._adopted: dict[nn.Module, list[tuple[nn.Module, int, Callable]]] = {}
+        self._owner_hooks: list[RemovableHandle] = []
 
     @property
     def bound(self) -> bool:
@@ -71,18 +88,25 @@ class Zero3Regions:
         return bool(self._registered)
 
     def ensure(self) -> None:
-        """Register each region's parameters with its owner, once."""
-        if self._registered:
-            return
-        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        """Register each region's parameters with its owner, once; adopt the gradient reductions of the leaf
+        modules inside the regions that DeepSpeed has hooked since (see the module docstring)."""
+        if not self._registered:
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-        for owner, members in self.regions:
-            for param in _external_to(owner, members):
-                register_external_parameter(owner, param)
-                self._registered.append((owner, param))
+            for owner, members in self.regions:
+                for param in _external_to(owner, members):
+                    register_external_parameter(owner, param)
+                    self._registered.append((owner, param))
+        self._adopt_leaf_reductions()
 
     def undo(self) -> None:
-        """Remove the registrations made by :meth:`ensure`."""
+        """Remove the registrations made by :meth:`ensure` and give the adopted reductions back to their modules."""
+        for handle in self._owner_hooks:
+            handle.remove()
+        for reductions in self._adopted.values():
+            for module, key, hook in reductions:
+                module._backward_hooks[key] = hook
+        self._owner_hooks, self._adopted = [], {}
         if not self._registered:
             return
         from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
@@ -91,6 +115,43 @@ class Zero3Regions:
             if id(param) in getattr(owner, "_external_params", {}):  # (a deep copy's registry keeps the old ids)
                 unregister_external_parameter(owner, param)
         self._registered = []
+
+    def _adopt_leaf_reductions(self) -> None:
+        """Take DeepSpeed's gradient reduction hook off every leaf module inside a region (other than the owner,
+        whose own hook fires once per call as it should), for the owner to run once per backward."""
+        for owner, members in self.regions:
+            for member in members:
+                for module in member.modules():
+                    if module is owner or not getattr(module, "_z3_leaf", False):
+                        continue
+                    for key, hook in list(module._backward_hooks.items()):
+                        if getattr(hook, "__name__", None) == _LEAF_REDUCTION:
+                            del module._backward_hooks[key]
+                            if owner not in self._adopted:
+                                self._adopted[owner] = []
+                                self._owner_hooks.append(
+                                    owner.register_forward_pre_hook(self._mark_input, with_kwargs=True)
+                                )
+                            self._adopted[owner].append((module, key, hook))
+
+    def _mark_input(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Before a training call of ``owner``: its hidden states (first argument) through
+        :class:`_AfterRegionBackward`, so its backward runs the reductions ``owner`` adopted."""
+        if not torch.is_grad_enabled():
+            return None
+        run = partial(_run_reductions, self._adopted[owner])
+        if args and isinstance(args[0], torch.Tensor):
+            x = args[0]
+            anchor = torch.zeros((), device=x.device, requires_grad=True)
+            return (_AfterRegionBackward.apply(run, anchor, x), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            x = kwargs["hidden_states"]
+            anchor = torch.zeros((), device=x.device, requires_grad=True)
+            return args, {**kwargs, "hidden_states": _AfterRegionBackward.apply(run, anchor, x)}
+        raise ValueError(
+            f"under DeepSpeed ZeRO-3 hf_memo marks the hidden states a {type(owner).__name__} is called with (its "
+            "first argument, or hidden_states=), but this call passed none"
+        )
 
     def loss(
         self, head: nn.Module, hidden: torch.Tensor, compute: Callable[[Callable, torch.Tensor], torch.Tensor]
@@ -113,6 +174,33 @@ class Zero3Regions:
             )
         self.ensure()
         return self.head_region.run(head, hidden, compute)
+
+
+def _run_reductions(reductions: list[tuple[nn.Module, int, Callable]]) -> None:
+    """Run DeepSpeed's adopted leaf-module gradient reductions (they read the parameters' ``.grad``, not their
+    arguments: a leaf parameter without a gradient is reduced as zeros)."""
+    for module, _, hook in reductions:
+        hook(module, (), ())
+
+
+class _AfterRegionBackward(torch.autograd.Function):
+    """The identity on a region owner's hidden states whose backward runs the owner's adopted leaf reductions.
+
+    Its backward comes once the owner's backward has produced its input gradient: every parameter of the owner
+    was used on a path from its hidden states, and the autograd engine runs a parameter's gradient accumulation
+    as soon as it is ready, before any other node. ``anchor`` (a scalar that requires a gradient) makes the
+    backward run even where the hidden states need none (the first layer below frozen embeddings).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[], None], anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        ctx.run()
+        return None, None, grad
 
 
 def _external_to(owner: nn.Module, members: Iterable[nn.Module]) -> list[nn.Parameter]:
