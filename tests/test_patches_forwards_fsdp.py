@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.multiprocessing import ProcessRaisedException
 
 import hf_memo
 from tests.conftest import VOCAB, build_model
@@ -127,15 +126,7 @@ def test_fsdp2_moe_model_with_its_router_aux_loss_equals_one_unpatched_process()
         want = reference(input_ids=ids, labels=ids)
         (want.loss / 2).backward()
         wants.append(want)
-    try:
-        per_rank = run_processes(_fsdp2_moe_worker, 2)
-    except ProcessRaisedException as error:
-        if "FSDPQwen3MoeForCausalLM: torch.distributed.fsdp._fully_shard._fsdp_init defines no" in str(error):
-            pytest.xfail(  # remove with the fix
-                "hf_memo.patches.router_logits.router_aux_loss looks load_balancing_loss_func up in the module of "
-                "type(model), which FSDP2 replaces with its FSDPQwen3MoeForCausalLM subclass, defined in torch"
-            )
-        raise
+    per_rank = run_processes(_fsdp2_moe_worker, 2)  # FSDP2 swaps in a subclass of its own: the aux loss is found
     for rank, results in enumerate(per_rank):
         for recompute, got in results.items():
             for output in ("loss", "aux_loss"):

@@ -182,12 +182,13 @@ def router_aux_loss(
     Raises:
         ValueError: the modeling module defines no ``load_balancing_loss_func``.
     """
-    modeling = sys.modules[type(model).__module__]
-    loss_func = getattr(modeling, "load_balancing_loss_func", None)
+    # the first class up the hierarchy whose module defines it: FSDP2's fully_shard swaps in a subclass of its own
+    modules = [sys.modules[cls.__module__] for cls in type(model).__mro__]
+    loss_func = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
     if loss_func is None:
         raise ValueError(
-            f"hf_memo cannot add the router aux loss of {type(model).__name__}: {modeling.__name__} defines no "
-            "load_balancing_loss_func"
+            f"hf_memo cannot add the router aux loss of {type(model).__name__}: no modeling module of its classes "
+            "defines load_balancing_loss_func"
         )
     text = model.config.get_text_config()
     num_experts = getattr(model, "num_experts", None) or _first(text, ("num_experts", "num_local_experts"))
