@@ -2,6 +2,7 @@ import torch
 
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import unfreed
+from hf_memo.profiler.kernel_workspace import CUDA, PROFILED_TARGET, workspace_hook
 from hf_memo.profiler.placement import mark_host, mark_owned
 
 
@@ -122,3 +123,11 @@ def test_recording_restores_storage_resize_and_the_collector():
         assert not gc.isenabled()
     assert torch.UntypedStorage.resize_ is original
     assert gc.isenabled() == enabled
+
+
+def test_a_recorder_modelling_a_cuda_targets_workspace_names_that_target_while_it_records():
+    """The attention core reads it to run, on fake tensors, the kernel the target would (a window or soft-cap)."""
+    for kernels, named in (("cuda", CUDA), ("cpu", None)):
+        with AllocationRecorder(lambda: "other", lambda: "other", workspace_hook(kernels)):
+            assert PROFILED_TARGET.get() is named
+        assert PROFILED_TARGET.get() is None

@@ -1,8 +1,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_memo.profiler.kernel_workspace import CUDA, PROFILED_TARGET, KernelTarget
 from hf_memo.runtime import attention_core, flash_attn_package
 from hf_memo.runtime.attention_core import (
     attention_backward,
@@ -211,3 +213,22 @@ def test_a_window_reaches_pytorchs_cuda_flash_kernel_and_sinks_compose_with_it(m
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_fake_profile_for_a_cuda_target_stands_in_the_kernel_the_target_would_run():
+    """A windowed or soft-capped layer profiled for a GPU: the CPU flash op stands in for the flash kernel that takes
+    the traits (the recorder adds its workspace); the explicit kernel runs only where the target would run it."""
+    windowed = AttentionTraits(0.125, window=8)
+    capped = AttentionTraits(0.125, softcap=30.0)
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 64, 64, dtype=torch.bfloat16)
+    real = torch.empty(1, 4, 64, 64, dtype=torch.bfloat16)
+    assert backend_for(q, windowed) == backend_for(real, windowed) == "explicit"  # no target: the CPU's rule
+    token = PROFILED_TARGET.set(CUDA)
+    try:
+        assert backend_for(q, windowed) == backend_for(q, capped) == "cpu-flash"  # flash-attn takes both
+        assert backend_for(real, windowed) == "explicit"  # a real CPU tensor runs the CPU's kernel
+        PROFILED_TARGET.set(KernelTarget(flash_attn=False))  # PyTorch's flash kernel: a window, no soft-cap
+        assert (backend_for(q, windowed), backend_for(q, capped)) == ("cpu-flash", "explicit")
+    finally:
+        PROFILED_TARGET.reset(token)

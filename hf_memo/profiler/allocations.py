@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_memo.profiler import placement
-from hf_memo.profiler.kernel_workspace import Workspace
+from hf_memo.profiler.kernel_workspace import PROFILED_TARGET, Workspace
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 
 _DEVICE = torch.ops.prim.device.default
@@ -228,10 +228,12 @@ class AllocationRecorder(TorchDispatchMode):
         self._recording = True
         torch.UntypedStorage.resize_ = self._resize_recording()  # type: ignore[method-assign]
         placement.add_tag_watcher(self._on_tag)
+        self._target = PROFILED_TARGET.set(getattr(self._workspace, "target", None))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        PROFILED_TARGET.reset(self._target)
         placement.remove_tag_watcher(self._on_tag)
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         gc.collect(0)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -437,6 +438,9 @@ CUDA = KernelTarget()
 fp16/bf16 attention with head sizes that are multiples of 8 up to 256 runs flash-attn 2. Its workspace is that
 of PyTorch's vendored copy (which plain Transformers sdpa runs) in every layout hf_memo and Transformers pass."""
 CPU = KernelTarget(device="cpu")
+PROFILED_TARGET: ContextVar[KernelTarget | None] = ContextVar("hf_memo_profiled_target", default=None)
+"""The CUDA target a fake profile is recording for (set by the recorder whose hook models its workspace), else
+``None``: the attention core then stands in a CPU op whose outputs the target's kernel would allocate too."""
 
 
 def kernel_target(kernels: str | KernelTarget) -> KernelTarget:

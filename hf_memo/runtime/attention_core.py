@@ -42,8 +42,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from hf_memo.profiler.kernel_workspace import CPU, KernelTarget, flash_eligible, needs_kv_expansion
+from hf_memo.profiler.kernel_workspace import (
+    CPU,
+    PROFILED_TARGET,
+    KernelTarget,
+    flash_eligible,
+    needs_kv_expansion,
+)
 from hf_memo.runtime import flash_attn_package
 from hf_memo.runtime.attention_sinks import apply_sinks_, sinks_grad
 from hf_memo.runtime.attention_traits import AttentionTraits
@@ -94,6 +101,7 @@ def select_backend(
     *,
     windowed: bool = False,
     softcapped: bool = False,
+    flash_attn: bool | None = None,
 ) -> str:
     """The kernel for attention on ``device_type`` in ``dtype`` with head size ``head_dim``.
 
@@ -101,6 +109,7 @@ def select_backend(
         capability: the CUDA device's compute capability (flash kernels need 8.0 or newer).
         windowed: a sliding window hides some key (see :func:`kernel_window`).
         softcapped: the scores are soft-capped.
+        flash_attn: whether the flash-attn package is there (default: importable in this process).
     """
     if device_type == "cpu":
         return "explicit" if dropout_p > 0 or windowed or softcapped else "cpu-flash"
@@ -108,7 +117,7 @@ def select_backend(
         raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {device_type}")
     if not flash_eligible(dtype, head_dim, capability):
         return "explicit" if windowed or softcapped else "cuda-efficient"
-    if flash_attn_package.flash_attn_interface() is not None:
+    if flash_attn if flash_attn is not None else flash_attn_package.flash_attn_interface() is not None:
         return "flash-attn"
     return "explicit" if softcapped else "cuda-flash"
 
@@ -129,16 +138,24 @@ def kernel_window(traits: AttentionTraits, length: int, causal: bool = True) -> 
 
 
 def backend_for(q: torch.Tensor, traits: AttentionTraits, causal: bool = True) -> str:
-    """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` with ``traits`` (:func:`select_backend`)."""
+    """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` with ``traits`` (:func:`select_backend`).
+
+    In a fake profile recorded for a CUDA target (:data:`~hf_memo.profiler.kernel_workspace.PROFILED_TARGET`), the
+    target's choice: where it is a CUDA kernel, PyTorch's CPU flash op stands in for it (the same outputs; the
+    recorder adds the kernel's workspace), whatever window or soft-cap the kernel takes; where it is the explicit
+    kernel, that kernel runs, its block temporaries being what the GPU would hold.
+    """
+    windowed, softcapped = kernel_window(traits, q.shape[2], causal) is not None, traits.softcap is not None
+    target = PROFILED_TARGET.get()
+    if target is not None and target.device == "cuda" and q.device.type == "cpu" and is_fake(q):
+        chosen = select_backend(
+            "cuda", q.dtype, q.shape[-1], traits.dropout_p, target.capability,
+            windowed=windowed, softcapped=softcapped, flash_attn=target.flash_attn,
+        )  # fmt: skip
+        return "explicit" if chosen == "explicit" else "cpu-flash"
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     return select_backend(
-        q.device.type,
-        q.dtype,
-        q.shape[-1],
-        traits.dropout_p,
-        capability,
-        windowed=kernel_window(traits, q.shape[2], causal) is not None,
-        softcapped=traits.softcap is not None,
+        q.device.type, q.dtype, q.shape[-1], traits.dropout_p, capability, windowed=windowed, softcapped=softcapped
     )
 
 
