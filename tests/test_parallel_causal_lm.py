@@ -47,7 +47,6 @@ class Case:
     checkpointing: bool = False
     memo: dict = field(default_factory=dict)  # MemoConfig fields for the sequence-parallel model
     catalog: bool = False  # ``family`` names a catalog model (fp64); ``overrides`` are set on its config
-    attention: str | None = None  # the attention implementation the sequence-parallel model is switched to
 
 
 def _build(case: Case) -> torch.nn.Module:
@@ -60,9 +59,9 @@ def _build(case: Case) -> torch.nn.Module:
     return model
 
 
-def _catalog_case(name: str, memo: dict | None = None, attention: str | None = None, **overrides) -> Case:
+def _catalog_case(name: str, memo: dict | None = None, **overrides) -> Case:
     """Catalog model ``name`` on 2 rows of 21 tokens (longer than its sliding windows, padded for sp=2 and 4)."""
-    return Case(name, *make_batch(2, 21), overrides=overrides, memo=memo or {}, catalog=True, attention=attention)
+    return Case(name, *make_batch(2, 21), overrides=overrides, memo=memo or {}, catalog=True)
 
 
 def _batch_case(family, batch, seq, masked=0.3, **overrides):
@@ -149,9 +148,8 @@ def two_rank_cases() -> dict[str, Case]:
 def catalog_cases() -> dict[str, Case]:
     """Catalog models under sp=2, in no recompute and under the memo executor.
 
-    Gemma 2 (soft-capped scores) and gpt-oss (sinks) have no ``sdpa`` and sequence parallelism wraps no eager
-    attention: their sequence-parallel models are switched to ``sdpa``, which the memo executor never calls in
-    training (its core attends with the layer's soft-cap and sinks); the reference runs their eager attention.
+    Gemma 2 (soft-capped scores) and gpt-oss (sinks) run their eager attention: Ulysses wraps it with hf_memo's
+    attention core in training (no recompute) and the memo executor's core attends with the same traits.
     """
     memo = dict(recompute="memo", offload_fraction=0.5)  # 2-3 layers: the first is swapped to the host
     return {
@@ -165,10 +163,10 @@ def catalog_cases() -> dict[str, Case]:
         "catalog cohere, memo executor": _catalog_case("cohere", memo),
         "catalog olmo2 (post-norm)": _catalog_case("olmo2"),
         "catalog olmo2, memo executor": _catalog_case("olmo2", memo),
-        "catalog gemma2 (soft-capped scores), memo executor": _catalog_case("gemma2", memo, "sdpa"),
-        "catalog gpt_oss (sinks, dense path), memo executor": _catalog_case(
-            "gpt_oss", memo, "sdpa", output_router_logits=False
-        ),
+        "catalog gemma2 (soft-capped scores, eager)": _catalog_case("gemma2"),
+        "catalog gemma2, memo executor": _catalog_case("gemma2", memo),
+        "catalog gpt_oss (sinks, eager, dense path)": _catalog_case("gpt_oss", output_router_logits=False),
+        "catalog gpt_oss, memo executor": _catalog_case("gpt_oss", memo, output_router_logits=False),
         "catalog qwen3_moe without its router loss, memo executor": _catalog_case(
             "qwen3_moe", memo, output_router_logits=False
         ),
@@ -203,8 +201,6 @@ def _averaged_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _sp_step(case: Case, sp: int) -> dict:
     model = _build(case)
-    if case.attention is not None:
-        model.config._attn_implementation = case.attention
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf_memo.apply(model, sequence_parallel_size=sp, **CHUNKS, **case.memo)
@@ -252,8 +248,8 @@ def _two_rank_worker(rank, world):
         ),
         "world size": _expect_error(lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=4)),
         "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **three_heads), sequence_parallel_size=2)),
-        "eager attention": _expect_error(
-            lambda: hf_memo.apply(build_model("llama", attn_implementation="eager"), sequence_parallel_size=2)
+        "flex attention": _expect_error(
+            lambda: hf_memo.apply(build_model("llama", attn_implementation="flex_attention"), sequence_parallel_size=2)
         ),
         "different batches": _expect_error(different_batches),
         "training without labels": _expect_error(
@@ -321,7 +317,7 @@ def test_two_ranks_match_single_process_and_refuse_bad_input_on_every_rank():
         "router aux loss": "does not compute the router aux loss under sequence parallelism",
         "world size": "MemoConfig.sequence_parallel_size=4 must divide the world size 2",
         "heads": "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3",
-        "eager attention": "attn_implementation to be one of sdpa, flash_attention_2",
+        "flex attention": "attn_implementation to be one of sdpa, flash_attention_2",
         "different batches": "ranks of a sequence-parallel group must get the same batch",
         "training without labels": "a training forward must compute the loss",
     }

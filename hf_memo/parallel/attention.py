@@ -17,6 +17,8 @@ other heads). ``sdpa`` takes a sliding window only through an ``S x S`` mask, so
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,15 +35,55 @@ from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, BatchLayout
 from hf_memo.runtime.varlen_attention import attend_per_sample
 
 WRAPPABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+SEQUENCE_PARALLEL = (*WRAPPABLE, "eager")
 
 
 def check_wrappable(implementation: str | None) -> None:
-    """Ulysses needs an attention that is causal without a mask (``sdpa``, flash-attention); ``ValueError`` if not."""
-    if implementation not in WRAPPABLE:
+    """Ulysses wraps an attention that is causal without a mask (``sdpa``, flash-attention) or the model's eager
+    attention (its causal calls run hf_memo's attention core); ``ValueError`` otherwise."""
+    if implementation not in SEQUENCE_PARALLEL:
         raise ValueError(
-            f"sequence parallelism needs the model's attn_implementation to be one of {', '.join(WRAPPABLE)}, "
+            f"sequence parallelism needs the model's attn_implementation to be one of {', '.join(SEQUENCE_PARALLEL)}, "
             f"got {implementation!r} (load the model with attn_implementation='sdpa')"
         )
+
+
+def _implementation(module: nn.Module, name: str) -> Callable:
+    """The attention function ``name`` names for ``module``: transformers' registry, or for ``"eager"`` the
+    ``eager_attention_forward`` of the module's own modeling file (what the module falls back to)."""
+    if name == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def causal_with_traits(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """What a model's eager attention computes for a causal call, without the mask it needs (one sample of the whole
+    sequences after Ulysses' exchange): hf_memo's attention core with the call's scale, sliding window, soft-cap and
+    sinks (``s_aux``), differentiable (:func:`~hf_memo.runtime.attention_function.core_attention`). Its dropout mask
+    is the core's, not eager's.
+
+    Args:
+        query: ``(B, h, S, D)``; key, value: ``(B, h_kv, S, D)``.
+
+    Returns:
+        ``((B, S, h, D), None)``.
+    """
+    scaling = kwargs.get("scaling")
+    traits = AttentionTraits(
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        float(kwargs.get("dropout") or 0.0),
+        kwargs.get("sliding_window"),
+        kwargs.get("softcap"),
+        kwargs.get("s_aux"),
+    )
+    return core_attention(query, key, value, traits).transpose(1, 2), None
 
 
 class AttentionConfigView:
@@ -142,7 +184,8 @@ def ulysses_attention(
         attention_mask: ignored in training: after the exchange the rows attend per sample of the
             step's :class:`~hf_memo.runtime.batch_layout.BatchLayout` (in ``kwargs`` under
             ``LAYOUT_KEYWORD``; padding left out).
-        inner: the wrapped implementation (``"sdpa"`` or a flash-attention one).
+        inner: the wrapped implementation (``"sdpa"``, a flash-attention one, or ``"eager"``: the model's own
+            outside training, :func:`causal_with_traits` in it).
         sp_size: the sequence-parallel degree.
         **kwargs: passed to the wrapped implementation (dropout, scaling, sliding_window, ...).
 
@@ -150,12 +193,12 @@ def ulysses_attention(
         ``((B, S / sp, h, D), None)``, as every ``transformers`` attention implementation returns.
         Outside training the wrapped implementation runs unsplit.
     """
-    attend = ALL_ATTENTION_FUNCTIONS[inner]
     layout = kwargs.pop(LAYOUT_KEYWORD, None)
     if not module.training:
-        return attend(InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs)
-    if inner == "sdpa":
-        attend = sdpa_with_window
+        return _implementation(module, inner)(
+            InnerModuleView(module, inner), query, key, value, attention_mask, **kwargs
+        )
+    attend = {"sdpa": sdpa_with_window, "eager": causal_with_traits}.get(inner) or ALL_ATTENTION_FUNCTIONS[inner]
     groups = sequence_parallel_groups(sp_size)
     group = groups.group
     kwargs = _rank_sinks(kwargs, query.shape[1], sp_size, groups.sp_rank)
