@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
 VOCAB = 101
-_LLAMA_LAYOUT = dict(
+TINY_LAYOUT = dict(  # a tiny Llama layout; other families' configs take the same fields
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=72,
@@ -47,10 +47,10 @@ _LLAMA_LAYOUT = dict(
 )
 
 FAMILY_BUILDERS = {
-    "llama": lambda **kw: LlamaForCausalLM(LlamaConfig(**{**_LLAMA_LAYOUT, **kw})),
-    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**{**_LLAMA_LAYOUT, **kw})),
-    "qwen2": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**{**_LLAMA_LAYOUT, **kw})),
-    "qwen3": lambda **kw: Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA_LAYOUT, "head_dim": 8, **kw})),
+    "llama": lambda **kw: LlamaForCausalLM(LlamaConfig(**{**TINY_LAYOUT, **kw})),
+    "mistral": lambda **kw: MistralForCausalLM(MistralConfig(**{**TINY_LAYOUT, **kw})),
+    "qwen2": lambda **kw: Qwen2ForCausalLM(Qwen2Config(**{**TINY_LAYOUT, **kw})),
+    "qwen3": lambda **kw: Qwen3ForCausalLM(Qwen3Config(**{**TINY_LAYOUT, "head_dim": 8, **kw})),
     "gpt2": lambda **kw: GPT2LMHeadModel(
         GPT2Config(
             **{

@@ -14,27 +14,18 @@ from transformers import (
 
 import hf_memo
 from hf_memo.patches.head_transform import LogitTransform, confirmed_logit_transform, logit_transform
-from tests.conftest import build_model
-
-TINY = dict(
-    vocab_size=101,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.conftest import TINY_LAYOUT, build_model
 
 
 @pytest.mark.parametrize(
     ("model", "transform"),
     [
-        (lambda: GraniteForCausalLM(GraniteConfig(**TINY, logits_scaling=4.0)), LogitTransform(divide=4.0)),
-        (lambda: CohereForCausalLM(CohereConfig(**TINY, logit_scale=0.5)), LogitTransform(multiply=0.5)),
-        (lambda: Gemma2ForCausalLM(Gemma2Config(**TINY, final_logit_softcapping=3.0)), LogitTransform(softcap=3.0)),
+        (lambda: GraniteForCausalLM(GraniteConfig(**TINY_LAYOUT, logits_scaling=4.0)), LogitTransform(divide=4.0)),
+        (lambda: CohereForCausalLM(CohereConfig(**TINY_LAYOUT, logit_scale=0.5)), LogitTransform(multiply=0.5)),
+        (
+            lambda: Gemma2ForCausalLM(Gemma2Config(**TINY_LAYOUT, final_logit_softcapping=3.0)),
+            LogitTransform(softcap=3.0),
+        ),
         (lambda: build_model("llama"), LogitTransform()),
     ],
 )
@@ -56,7 +47,7 @@ class _IgnoresItsSoftcap(Gemma2ForCausalLM):
 
 
 def test_a_trait_the_forward_ignores_is_not_applied():
-    model = _IgnoresItsSoftcap(Gemma2Config(**TINY, final_logit_softcapping=3.0)).double()
+    model = _IgnoresItsSoftcap(Gemma2Config(**TINY_LAYOUT, final_logit_softcapping=3.0)).double()
     assert logit_transform(model) == LogitTransform(softcap=3.0)
     assert confirmed_logit_transform(model) == LogitTransform()
 

@@ -7,19 +7,7 @@ from transformers import CohereConfig, CohereForCausalLM, Olmo2Config, Olmo2ForC
 from transformers.models.llama import modeling_llama
 
 from hf_memo.patches.layer_split import GenericSplit, LayerArguments, find_anatomy
-from tests.conftest import build_model
-
-TINY = dict(
-    vocab_size=101,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.conftest import TINY_LAYOUT, build_model
 
 
 def _layer_call(model, rows: int = 6):
@@ -44,13 +32,13 @@ def test_a_pre_norm_layer_feeds_its_attention_from_its_input_norm_alone():
 
 def test_a_post_norm_layer_feeds_its_attention_its_input():
     torch.manual_seed(0)
-    _, anatomy = _anatomy(Olmo2ForCausalLM(Olmo2Config(**TINY)).double())
+    _, anatomy = _anatomy(Olmo2ForCausalLM(Olmo2Config(**TINY_LAYOUT)).double())
     assert anatomy.attention_input is None
 
 
 def test_a_parallel_layer_shares_its_input_norm_between_attention_and_mlp():
     torch.manual_seed(0)
-    layer, anatomy = _anatomy(CohereForCausalLM(CohereConfig(**TINY)).double())
+    layer, anatomy = _anatomy(CohereForCausalLM(CohereConfig(**TINY_LAYOUT)).double())
     assert anatomy.attention_input is layer.input_layernorm and anatomy.shared_input
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from hf_memo.parallel.collectives import all_to_all_differentiable
 from hf_memo.parallel.groups import sequence_parallel_groups
 from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
 from hf_memo.runtime.attention_function import core_attention
-from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.attention_traits import traits_of_call
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, BatchLayout
 from hf_memo.runtime.varlen_attention import attend_per_sample
 
@@ -75,15 +76,7 @@ def causal_with_traits(
     Returns:
         ``((B, S, h, D), None)``.
     """
-    scaling = kwargs.get("scaling")
-    traits = AttentionTraits(
-        query.shape[-1] ** -0.5 if scaling is None else scaling,
-        float(kwargs.get("dropout") or 0.0),
-        kwargs.get("sliding_window"),
-        kwargs.get("softcap"),
-        kwargs.get("s_aux"),
-    )
-    return core_attention(query, key, value, traits).transpose(1, 2), None
+    return core_attention(query, key, value, traits_of_call(kwargs, query.shape[-1])).transpose(1, 2), None
 
 
 class AttentionConfigView:
@@ -149,10 +142,7 @@ def sdpa_with_window(
     window = kwargs.get("sliding_window")
     if attention_mask is not None or window is None or query.shape[2] <= window or kwargs.get("softcap") is not None:
         return sdpa(module, query, key, value, attention_mask, **kwargs)  # sdpa refuses a soft-cap itself
-    scaling = kwargs.get("scaling")
-    traits = AttentionTraits(
-        query.shape[-1] ** -0.5 if scaling is None else scaling, float(kwargs.get("dropout") or 0.0), window
-    )
+    traits = replace(traits_of_call(kwargs, query.shape[-1]), sinks=None)  # as sdpa: no sinks
     return core_attention(query, key, value, traits).transpose(1, 2), None
 
 

@@ -32,7 +32,7 @@ from transformers.utils.output_capturing import _active_collector
 
 from hf_memo.parallel.attention import AttentionConfigView
 from hf_memo.patches.structure import attention_of, mlp_of
-from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.attention_traits import AttentionTraits, traits_of_call
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.executor import project_rows
 
@@ -109,14 +109,7 @@ def _traits(kwargs: dict, passed: set[str], head_dim: int, model_type: str) -> A
         raise ValueError(
             f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its attention is not causal"
         )
-    scale = kwargs.get("scaling")
-    return AttentionTraits(
-        scale=head_dim**-0.5 if scale is None else float(scale),
-        dropout_p=float(kwargs.get("dropout") or 0.0),
-        window=kwargs.get("sliding_window"),
-        softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
-    )
+    return traits_of_call(kwargs, head_dim)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ sequence parallelism) computes the same function as the model's own implementati
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,3 +41,17 @@ class AttentionTraits:
     def plain(self) -> bool:
         """Whether this is plain causal attention (no window, soft-cap or sinks): every kernel computes it."""
         return self.window is None and self.softcap is None and self.sinks is None
+
+
+def traits_of_call(kwargs: Mapping[str, Any], head_dim: int) -> AttentionTraits:
+    """The traits an attention module's call of transformers' attention interface asks for, from the call's keyword
+    arguments: ``scaling`` (``head_dim ** -0.5`` where missing), ``dropout``, ``sliding_window``, ``softcap`` and
+    ``s_aux`` (the sinks)."""
+    scale = kwargs.get("scaling")
+    return AttentionTraits(
+        head_dim**-0.5 if scale is None else float(scale),
+        float(kwargs.get("dropout") or 0.0),
+        kwargs.get("sliding_window"),
+        kwargs.get("softcap"),
+        kwargs.get("s_aux"),
+    )
