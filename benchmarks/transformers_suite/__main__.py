@@ -26,7 +26,14 @@ from benchmarks.transformers_suite.junit import STATUSES, Outcome, read_outcomes
 from benchmarks.transformers_suite.plugin import LEVELS, MODES
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # the default sweep
+# Families hf_memo supports since it finds a model's structure (hf_memo.patches.structure): mixture-of-experts,
+# sliding-window / hybrid-layer, soft-capped, scaled and norm-layout variants (gemma3 covers Gemma3ForCausalLM and
+# the multimodal Gemma3ForConditionalGeneration on text). Run them with --families.
+NEW_FAMILIES = (
+    "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "phi3", "glm4", "olmo2",
+    "olmo3", "granite", "cohere", "cohere2", "smollm3", "starcoder2", "ministral", "exaone4",
+)  # fmt: skip
 
 
 def pytest_command(family: str, mode: str, level: str, report: Path, args: argparse.Namespace) -> list[str]:
@@ -118,7 +125,7 @@ def markdown(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--transformers-root", type=Path, required=True)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES + NEW_FAMILIES)
     parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "stock"], choices=MODES[1:])
     parser.add_argument("--levels", nargs="+", default=list(LEVELS), choices=LEVELS)
     parser.add_argument("-k", default="", help="pytest -k expression selecting tests (default: all)")

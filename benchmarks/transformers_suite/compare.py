@@ -64,15 +64,40 @@ def categorise(message: str, trace: str = "") -> str:
     return REGRESSION
 
 
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+# Two failure lines that differ only in decimals this close are the same failure (a stock assertion on a measured
+# value, e.g. a loss reduction of 26.3% both ways, reprints the value with its last float digits changed).
+_SAME_NUMBER_RTOL = 1e-2
+
+
+def same_failure(a: str, b: str) -> bool:
+    """Whether failure lines ``a`` and ``b`` are equal but for close numbers (:func:`_close`)."""
+    if a == b:
+        return True
+    if _NUMBER.split(a) != _NUMBER.split(b):
+        return False
+    return all(_close(x, y) for x, y in zip(_NUMBER.findall(a), _NUMBER.findall(b)))
+
+
+def _close(x: str, y: str) -> bool:
+    """Integers (shapes, counts) must be equal; other numbers within :data:`_SAME_NUMBER_RTOL`."""
+    if x.lstrip("+-").isdigit() or y.lstrip("+-").isdigit():
+        return x == y
+    a, b = float(x), float(y)
+    return abs(a - b) <= _SAME_NUMBER_RTOL * max(abs(a), abs(b))
+
+
 def _new_failures(stock: Outcome, patched: Outcome) -> list[str]:
-    """Failures of ``patched`` that ``stock`` does not have (each stock failure excuses one equal failure)."""
+    """Failures of ``patched`` that ``stock`` does not have (each stock failure excuses one same failure:
+    :func:`same_failure`)."""
     excused = list(stock.failures)
     new = []
     for failure in patched.failures:
-        if failure in excused:
-            excused.remove(failure)
-        else:
+        match = next((i for i, old in enumerate(excused) if same_failure(old, failure)), None)
+        if match is None:
             new.append(failure)
+        else:
+            excused.pop(match)
     return new
 
 
