@@ -271,3 +271,21 @@ def test_an_evaluation_forward_in_chunks_records_each_router_once():
         want, got = reference(input_ids=ids), model(input_ids=ids)
     _assert_same_router_logits(got.router_logits, want.router_logits, torch.ones_like(ids))
     torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_chunks_record_router_logits_without_a_second_capture_in_the_chain(recompute, monkeypatch):
+    """transformers' own tests refuse a collector set while its capture is active (a capture in a chain): the
+    chunks swap the list under the router-logits key of transformers' collector instead."""
+    set_collector = _active_collector.set
+
+    def set_once(value):
+        if value is not None and _active_collector.get() is not None:
+            raise AssertionError("a collector set inside transformers' capture")
+        return set_collector(value)
+
+    model = hf_memo.apply(build_catalog_model("qwen3_moe"), recompute=recompute, mlp_chunks=3, lm_head_chunks=3)
+    monkeypatch.setattr(_active_collector, "set", set_once)
+    ids, labels = make_batch(2, 13)
+    out = model(input_ids=ids, labels=labels, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2 * 13, 4)

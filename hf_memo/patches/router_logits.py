@@ -82,15 +82,23 @@ def recording_router_logits() -> bool:
 
 @contextmanager
 def router_logits_captured() -> Iterator[list[torch.Tensor]]:
-    """Inside, the router logits transformers' hooks record go to the yielded list, and nothing else is recorded;
-    afterwards the collector is the one before (restored by value, so it nests under ``torch.compile`` too)."""
+    """Inside, the router logits transformers' hooks record go to the yielded list; afterwards the collection is as
+    before. Where transformers is collecting, only the list under its router-logits key is swapped: setting a
+    collector of one's own inside its capture is a second capture in a chain, which transformers refuses."""
     captured: list[torch.Tensor] = []
-    previous = _active_collector.get()
+    collected = _active_collector.get()
+    if collected is not None and _KEY in collected:
+        previous, collected[_KEY] = collected[_KEY], captured
+        try:
+            yield captured
+        finally:
+            collected[_KEY] = previous
+        return
     _active_collector.set({_KEY: captured})
     try:
         yield captured
     finally:
-        _active_collector.set(previous)
+        _active_collector.set(collected)  # restored by value, so it nests under torch.compile too
 
 
 def record_router_logits(logits: Sequence[torch.Tensor]) -> None:
