@@ -27,6 +27,7 @@ from transformers.models.llama import modeling_llama
 
 import hf_memo
 from hf_memo.config import MemoConfig
+from hf_memo.patches.structure import describe
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_catalog_model
 
@@ -233,3 +234,15 @@ def test_what_cannot_be_patched_exactly_is_refused_with_the_model_and_the_reason
     with pytest.raises(ValueError, match=f"hf_memo cannot patch {type(model).__name__} .*: {reason}"):
         hf_memo.apply(model)
     assert hf_memo.applied_config(model) is None
+
+
+def test_a_vision_tower_as_deep_as_the_text_decoder_is_not_taken_for_it():
+    """Gemma 3's multimodal class with a SigLIP encoder of as many layers as the text decoder: the decoder layers are
+    the text model's (they were the vision encoder's, found first, and the model was refused for want of a norm)."""
+    config = CATALOG["gemma3"].config()
+    config.vision_config.num_hidden_layers = config.text_config.num_hidden_layers
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).double()
+    structure = describe(model)
+    assert structure.layers == list(model.model.language_model.layers)
+    assert structure.final_norm == "model.language_model.norm"

@@ -92,7 +92,11 @@ def _layer_list(model: PreTrainedModel) -> tuple[str, nn.Module, nn.ModuleList]:
     """``(parent's name, parent, layers)``: the module list of decoder layers (``num_hidden_layers`` of them, each
     with an MLP child) and the module holding it."""
     count = model.config.get_text_config().num_hidden_layers
-    for prefix, parent in model.named_modules():
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    root = decoder if isinstance(decoder, nn.Module) else model  # not a vision tower's encoder of the same depth
+    names = {id(module): name for name, module in model.named_modules()}
+    for parent in root.modules():
+        prefix = names[id(parent)]
         for child in parent.children():
             is_list = isinstance(child, nn.ModuleList) and len(child) == count > 0
             if is_list and all(_child(layer, MLP_NAMES) is not None for layer in child):
