@@ -217,7 +217,7 @@ def find_anatomy(
     checked against the layer's own forward there (:func:`check_split`)."""
     attn = attention_of(layer)
     rows = x[:, :_PROBE_ROWS].detach()
-    with torch.no_grad(), outputs_not_recorded():
+    with torch.no_grad(), outputs_not_recorded(), rng_untouched(layer):
         with _implementation(attn, _register_capture()):
             try:
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
@@ -266,14 +266,20 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
     ``module``'s CUDA device as they were afterwards (a kernel may draw a seed even without dropout): a probe leaves
     the step's random stream as it found it. Afterwards each module is in its own mode again."""
     modes = {m: m.training for m in module.modules()}
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     module.eval()
     try:
-        with torch.random.fork_rng(devices=devices):
+        with rng_untouched(module):
             yield
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+def rng_untouched(module: nn.Module) -> contextlib.AbstractContextManager:
+    """The random generators of the CPU and of ``module``'s CUDA devices as they were, after the block: a probe in
+    training mode (LoRA dropout in its projections) draws nothing from the step's random stream."""
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
 
 
 def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits) -> torch.Tensor:
