@@ -80,9 +80,9 @@ def test_split_dropout_follows_the_config_in_training_only(family):
     else:
         layer = model.model.layers[0]
         arguments = {"position_embeddings": model.model.rotary_emb(x, torch.arange(5)[None])}
-    assert split_layer(layer, x, **arguments).dropout_p == 0.1
+    assert split_layer(layer, x, **arguments).traits.dropout_p == 0.1
     model.eval()
-    assert split_layer(layer, x, **arguments).dropout_p == 0.0
+    assert split_layer(layer, x, **arguments).traits.dropout_p == 0.0
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -58,7 +58,7 @@ def logit_transform(model: PreTrainedModel) -> LogitTransform:
     )
 
 
-def _checkable(weight: torch.Tensor) -> bool:
+def holds_values(weight: torch.Tensor) -> bool:
     """Whether ``weight`` holds real values here (not meta, not a fake tensor, not a ZeRO-3 partition)."""
     return weight.numel() > 0 and weight.device.type != "meta" and not is_fake(weight)
 
@@ -114,7 +114,7 @@ def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None =
     described = logit_transform(model)
     head = model.get_output_embeddings()
     weight = head.weight
-    if not _checkable(weight):
+    if not holds_values(weight):
         return described
     generator = torch.Generator(device=weight.device).manual_seed(0)
     hidden = torch.randn(1, 3, weight.shape[-1], generator=generator, device=weight.device).to(weight.dtype)

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hf_memo.patches.head_transform import holds_values
 from hf_memo.patches.layer_split import eval_mode
 
 
@@ -71,7 +71,7 @@ def layers_writing_into_kept_outputs(
     ``torch.compile`` later); ``None`` where the weights hold no values here (meta, fake, partitioned).
     """
     weight = model.get_input_embeddings().weight
-    if weight.numel() == 0 or weight.device.type == "meta" or is_fake(weight):
+    if not holds_values(weight):
         return None
     found: dict[int, bool] = {}
 

@@ -170,14 +170,6 @@ class GenericSplit:
         self.traits = anatomy.traits
         self.output_projection = next(getattr(self.attn, n) for n in _OUTPUT_PROJECTIONS if hasattr(self.attn, n))
 
-    @property
-    def scale(self) -> float:
-        return self.traits.scale
-
-    @property
-    def dropout_p(self) -> float:
-        return self.traits.dropout_p
-
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with _implementation(self.attn, _register_capture()):
             try:
