@@ -1,0 +1,209 @@
+"""Causal attention one block of queries at a time, exact against :mod:`.attention_core` on the whole sequence.
+
+A block holds the ``s`` queries at positions ``[start, start + s)``; they attend to the key prefix
+``[0, start + s)``. Kernels align a causal mask differently when ``S_q != S_k`` (PyTorch's CPU flash kernel from
+the top left, flash-attn from the bottom right), so no call here relies on either: the prefix splits in two,
+
+* the keys ``[0, start)``, which every query of the block sees: one call without a mask (``causal=False``);
+* the keys ``[start, start + s)``, the block's own: one causal call on a square.
+
+Forward: the two ``(out, lse)`` pairs merge exactly, ``lse = logaddexp(lse_1, lse_2)`` and
+``out = out_1 exp(lse_1 - lse) + out_2 exp(lse_2 - lse)``, and the sinks are composed once with the result
+(:mod:`.attention_sinks`). Backward: each part's kernel backward runs on the merged ``out`` and ``lse``: a
+flash-style backward recomputes ``P = exp(t - lse)`` and ``rowsum(dO * O)`` from them, so each part's
+``dq, dk, dv`` are exact partials of the block's; the ``dq`` parts sum, and the prefix's ``dk, dv`` are the two
+parts' side by side. ``start == 0`` is the diagonal call alone.
+
+Grouped-query attention on a kernel whose backward expands dK/dV to every query head (the CUDA flash kernels'
+``dk_expanded``/``dv_expanded``, the memory-efficient kernel's expanded K/V, see
+:mod:`~hf_memo.profiler.kernel_workspace`): the backward runs once per KV head, with that head's group of query
+heads, so the expanded buffers hold one group's heads, not all of them. A fake profile recorded for a CUDA target
+decides by the target's kernel, and so records the smaller workspace.
+
+Dropout is not blocked (its mask is drawn over the whole sequence), nor a sliding window that hides a key
+(:func:`blockable`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from hf_memo.profiler.kernel_workspace import PROFILED_TARGET, AttentionCall, needs_kv_expansion
+from hf_memo.runtime.attention_core import (
+    AttentionStats,
+    attention_backward,
+    attention_forward,
+    backend_for,
+    compute_dtype,
+    kernel_window,
+)
+from hf_memo.runtime.attention_sinks import apply_sinks_, sinks_grad
+from hf_memo.runtime.attention_traits import AttentionTraits
+
+_EXPANDING_FLASH = ("flash-attn", "cuda-flash")  # flash kernels whose backward expands dK/dV for h_kv < h
+_EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel's lse holds the queries padded to this multiple
+
+
+def blockable(q: torch.Tensor, traits: AttentionTraits) -> bool:
+    """Whether causal attention of ``q`` ``(B, h, S, D)`` with ``traits`` may run block by block: no dropout, and no
+    sliding window that hides a key of the ``S`` positions. Soft-capping and sinks are fine."""
+    return kernel_window(traits, q.shape[2]) is None and traits.dropout_p == 0
+
+
+def _kernel_traits(traits: AttentionTraits, length: int) -> AttentionTraits:
+    """``traits`` for both parts' kernel calls on a prefix of ``length`` keys: no sinks (composed after the merge)
+    and no window (it hides none of them: :func:`blockable`).
+
+    Raises:
+        ValueError: dropout, or a window that hides one of the ``length`` keys.
+    """
+    if traits.dropout_p > 0 or kernel_window(traits, length) is not None:
+        raise ValueError("blocked attention takes no dropout and no sliding window that hides a key (see blockable)")
+    return replace(traits, window=None, sinks=None)
+
+
+def _parts(start: int, length: int) -> list[tuple[slice, bool]]:
+    """The prefix's key parts and whether each is causal: the block's own keys, then ``[0, start)`` if any."""
+    return [(slice(start, length), True)] + ([(slice(0, start), False)] if start > 0 else [])
+
+
+@torch.no_grad()
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, traits: AttentionTraits
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one block of queries over its key prefix, building no graph.
+
+    Args:
+        q: ``(B, h, s, D)`` queries at positions ``[start, start + s)`` (e.g. a view of ``(B, S, h, D)`` memory).
+        k, v: ``(B, h_kv, start + s, D)`` the key prefix, ``h % h_kv == 0``; all with a unit last stride. Under
+            autocast all three are cast to the autocast dtype first, as in
+            :func:`~hf_memo.runtime.attention_core.attention_forward`.
+        start: the block's first position.
+        traits: the layer's attention traits (:func:`blockable`).
+
+    Returns:
+        ``out`` ``(B, h, s, D)`` laid out as the kernel lays out ``q``, and ``lse`` ``(B, h, s)`` in the kernel's
+        dtype (fp32, or fp64 for fp64 inputs on the CPU), the sinks included.
+    """
+    dtype = compute_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    kernel_traits = _kernel_traits(traits, k.shape[2])
+    rows = q.shape[2]
+    out, stats = attention_forward(q, k[:, :, start:], v[:, :, start:], kernel_traits)
+    lse = stats.lse[..., :rows]  # the memory-efficient kernel pads it
+    if start > 0:
+        prefix_out, prefix_stats = attention_forward(q, k[:, :, :start], v[:, :, :start], kernel_traits, causal=False)
+        prefix_lse = prefix_stats.lse[..., :rows]
+        total = torch.logaddexp(lse, prefix_lse)
+        out.copy_(out * torch.exp(lse - total)[..., None] + prefix_out * torch.exp(prefix_lse - total)[..., None])
+        lse = total
+    if traits.sinks is not None:
+        apply_sinks_(out, lse, traits.sinks)
+    return out, lse
+
+
+def _expands_kv_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> bool:
+    """Whether ``backend``'s backward on ``q`` ``(B, h, s, D)``, ``k, v`` ``(B, h_kv, S_k, D)`` holds dK/dV (or K/V)
+    expanded to all ``h`` query heads; in a fake profile for a CUDA target, the backward of the target's kernel."""
+    if k.shape[1] == q.shape[1]:
+        return False
+    target = PROFILED_TARGET.get()
+    if backend == "cpu-flash" and target is not None and target.device == "cuda" and is_fake(q):
+        backend = target.kernel_for(AttentionCall.of(q, k, v))  # the CPU op stands in for it (backend_for)
+    return backend in _EXPANDING_FLASH or needs_kv_expansion(backend)
+
+
+def _stats(backend: str, lse: torch.Tensor, kv_len: int) -> AttentionStats:
+    """What ``backend``'s dropout-free forward of ``lse.shape[2]`` queries against ``kv_len`` keys would have
+    returned for its backward, with ``lse`` ``(B, h', s)`` (the block's merged one) in the layout the kernel reads."""
+    if backend == "cuda-efficient":
+        batch, heads, rows = lse.shape
+        padded = lse.new_zeros(batch, heads, -(-rows // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS)
+        padded[..., :rows] = lse
+        return AttentionStats(padded, (_no_rng(), _no_rng()))
+    lse = lse.contiguous()
+    if backend == "cuda-flash":
+        return AttentionStats(lse, (None, None, lse.shape[2], kv_len, _no_rng(), _no_rng()))
+    if backend == "flash-attn":
+        return AttentionStats(lse, (None,))
+    if backend == "explicit":
+        return AttentionStats(lse, (0,))
+    return AttentionStats(lse)
+
+
+def _no_rng() -> torch.Tensor:
+    """The RNG seed or offset the CUDA kernels return without dropout: an empty int64 scalar."""
+    return torch.empty((), dtype=torch.long)
+
+
+@torch.no_grad()
+def block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    start: int,
+    traits: AttentionTraits,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients ``(dq, dk, dv, dsinks)`` of :func:`block_forward` from its ``out`` and ``lse``.
+
+    Args:
+        grad_out: ``(B, h, s, D)`` the gradient of ``out``.
+        q, k, v, start, traits: as given to :func:`block_forward`.
+        out, lse: ``(B, h, s, D)`` and ``(B, h, s)`` as :func:`block_forward` returned them.
+
+    Returns:
+        ``dq`` ``(B, h, s, D)``; ``dk, dv`` ``(B, h_kv, start + s, D)``, the block's contribution to the prefix keys'
+        gradients; each in its input's dtype; ``dsinks`` ``(h,)`` the block's part of the sinks' gradient (``None``
+        without sinks).
+    """
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, grad_out = (t.to(out.dtype) for t in (q, k, v, grad_out))
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    kernel_traits = _kernel_traits(traits, k.shape[2])
+    backend = backend_for(q, kernel_traits)
+    dq, dk, dv = (torch.empty_like(t, dtype=dtype) for t, dtype in zip((q, k, v), dtypes))
+    groups = q.shape[1] // k.shape[1]
+    if _expands_kv_grads(q, k, v, backend):  # one KV head and its group of query heads per call
+        head_groups = [(slice(j * groups, (j + 1) * groups), slice(j, j + 1)) for j in range(k.shape[1])]
+    else:
+        head_groups = [(slice(None), slice(None))]
+    for qh, kv in head_groups:
+        for index, (keys, causal) in enumerate(_parts(start, k.shape[2])):
+            _part_backward_into(
+                (dq[:, qh], dk[:, kv, keys], dv[:, kv, keys]),
+                index > 0,
+                (grad_out[:, qh], q[:, qh], k[:, kv, keys], v[:, kv, keys], out[:, qh]),
+                _stats(backend, lse[:, qh], keys.stop - keys.start),
+                kernel_traits,
+                causal,
+            )
+    if traits.sinks is None:
+        return dq, dk, dv, None
+    return dq, dk, dv, sinks_grad(grad_out, out, lse, traits.sinks)
+
+
+def _part_backward_into(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    accumulate_dq: bool,
+    tensors: tuple[torch.Tensor, ...],
+    stats: AttentionStats,
+    traits: AttentionTraits,
+    causal: bool,
+) -> None:
+    """One kernel backward on ``tensors`` ``(grad_out, q, k, v, out)``, written into ``grads`` ``(dq, dk, dv)``
+    (``dq`` added to when ``accumulate_dq``); the kernel's own gradients die on return."""
+    dq, dk, dv = grads
+    part_dq, part_dk, part_dv, _ = attention_backward(*tensors, stats, traits, causal)
+    if accumulate_dq:
+        dq += part_dq
+    else:
+        dq.copy_(part_dq)
+    dk.copy_(part_dk)
+    dv.copy_(part_dv)
