@@ -14,7 +14,8 @@ def test_memo_speed_benchmark_times_every_contender_and_their_losses_agree(tmp_p
         assert rows["hf-checkpointing"]["ratio_to_hf_checkpointing"] == 1.0
         for row in rows.values():
             assert len(row["step_s"]) == results["repeats"] and all(t > 0 for t in row["step_s"])
-            assert row["median_s"] > 0 and row["tokens_per_s"] > 0 and row["ratio_to_hf_checkpointing"] > 0
+            assert 0 < row["fastest_s"] <= row["median_s"] and row["tokens_per_s"] > 0
+            assert row["ratio_to_hf_checkpointing"] > 0
             assert row["max_abs_loss_diff"] < 1e-4  # float32, same weights and batch
             assert row["forward_per_layer"] >= 1 and row["backward_per_layer"] >= 1  # attention ran, was counted
         for name in CONTENDERS - {"hf-checkpointing"}:
