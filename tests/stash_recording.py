@@ -12,7 +12,7 @@ class RecordingStash(LayerStash):
     def __init__(self):
         engine = CopyEngine(torch.device("cpu"))
         pool, slots = HostPool(torch.device("cpu")), DeviceSlots("test", torch.device("cpu"), engine)
-        super().__init__(2, False, engine, pool, slots, slots)
+        super().__init__(2, False, engine, pool, slots)
         self.storages = {}
 
     def add(self, tensor):

@@ -11,8 +11,8 @@ from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.solution import check_placement
 from tests.test_profiler_step import CONFIGS
 
-LAYERS = 5  # memo keeps two layers on the device and rounds through two buffers: 5 layers have every kind
-BUFFERS = {"rounding 0", "rounding 1", "prefetch 0", "prefetch 1"}
+LAYERS = 5  # memo keeps two layers on the device and fetches through two buffers: 5 layers have every kind
+BUFFERS = {"prefetch 0", "prefetch 1"}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_cli_plans_a_profiled_step_prints_every_level_and_saves_a_valid_plan(tmp
     text = capsys.readouterr().out
     for label in ("5 layers", "batch 1 x 64 tokens, mode memo", "lower bound", "level 1 layer 0 forward", "level 2"):
         assert label in text, text
-    assert "Arena for hf_memo's own buffers" in text and "rounding 0:" in text and "prefetch 1:" in text
+    assert "Arena for hf_memo's own buffers" in text and "prefetch 0:" in text and "prefetch 1:" in text
     assert "without a plan:" in text and "hf_memo's buffers in the arena:" in text
     assert "every tensor at its planned offset:" in text and f"Plan saved to {out}" in text
 

@@ -13,9 +13,7 @@ def _stash(index=0, swapped=True):
     device = torch.device("cpu")
     engine = CopyEngine(device)
     pool = HostPool(device)
-    return LayerStash(
-        index, swapped, engine, pool, DeviceSlots("rounding", device, engine), DeviceSlots("prefetch", device, engine)
-    ), pool
+    return LayerStash(index, swapped, engine, pool, DeviceSlots("prefetch", device, engine)), pool
 
 
 @pytest.mark.parametrize("swapped", [False, True])
@@ -46,19 +44,48 @@ def test_each_storage_is_kept_once():
     assert stash.raw_nbytes == x.numel() * 4
 
 
-def test_layers_alternate_rounding_buffers():
+def test_a_prefetch_buffer_is_as_large_as_its_stash_and_goes_back_after_its_backward():
     device = torch.device("cpu")
     engine = CopyEngine(device)
-    rounding, prefetch = DeviceSlots("rounding", device, engine), DeviceSlots("prefetch", device, engine)
+    prefetch = DeviceSlots("prefetch", device, engine)
     pool = HostPool(device)
-    for index in range(4):
-        stash = LayerStash(index, True, engine, pool, rounding, prefetch)
-        stash.add(torch.randn(100))
+    stashes = []
+    for index, numel in enumerate((100, 300, 200)):
+        stash = LayerStash(index, True, engine, pool, prefetch)
+        stash.add(torch.randn(numel))
         stash.seal()
-        stash.prefetch()
-        stash.release()
-    assert rounding.reserved_bytes == 2 * ALIGN and prefetch.reserved_bytes == 2 * ALIGN
-    assert pool.reserved_bytes == ALIGN
+        stashes.append(stash)
+    top, middle, bottom = reversed(stashes)
+    top.prefetch()
+    middle.prefetch()  # fetched ahead while the top layer's backward runs
+    assert prefetch.reserved_bytes == _aligned_bytes(200) + _aligned_bytes(300)
+    top.release()
+    assert prefetch.reserved_bytes == _aligned_bytes(300)  # only the layer running now and the one fetched ahead
+    bottom.prefetch()
+    middle.release()
+    bottom.release()
+    assert prefetch.reserved_bytes == 0
+
+
+def _aligned_bytes(numel):
+    return -(-numel * 4 // ALIGN) * ALIGN
+
+
+def test_a_swapped_stash_copies_its_tensors_without_a_device_staging_buffer():
+    """Sealing copies each storage straight into the host buffer: the only device bytes allocated are none."""
+    from hf_memo.profiler.allocations import AllocationRecorder
+
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    stash = LayerStash(0, True, engine, HostPool(device), DeviceSlots("prefetch", device, engine))
+    values = [torch.randn(6, 10), torch.arange(7, dtype=torch.int32)]
+    refs = [stash.add(v) for v in values]
+    with AllocationRecorder(lambda: "layer 0 forward", lambda: "forward") as recorder:
+        stash.seal()
+    events = recorder.trace().events
+    assert [e.location for e in events if e.op == "malloc"] == ["host"]  # the host buffer, nothing on the device
+    for ref, value in zip(refs, values):
+        assert torch.equal(stash.rebuild(ref), value)
 
 
 def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it():
@@ -66,9 +93,9 @@ def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it(
     must not read the other's bytes."""
     device = torch.device("cpu")
     engine = CopyEngine(device)
-    rounding, prefetch = DeviceSlots("rounding", device, engine), DeviceSlots("prefetch", device, engine)
+    prefetch = DeviceSlots("prefetch", device, engine)
     pool = HostPool(device)
-    first, second = (LayerStash(2, True, engine, pool, rounding, prefetch) for _ in range(2))
+    first, second = (LayerStash(2, True, engine, pool, prefetch) for _ in range(2))
     values = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
     refs = [stash.add(v) for stash, v in zip((first, second), values)]
     for stash in (first, second):

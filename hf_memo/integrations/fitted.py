@@ -29,7 +29,6 @@ from hf_memo.profiler.closed_form import ClosedForm, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.runtime.buckets import stretch
-from hf_memo.runtime.memo import COPY_SLOTS
 
 PROFILE_SEQ_LEN = 24576  # the longer of the two profiled lengths (the shorter is half); capped by learned positions
 BASE_CHUNKS = (2, 2)  # chunk counts of the profiles: few (profiles are fast), more than one (the chunked code path)
@@ -96,8 +95,8 @@ def trace_at(profiler_for: Callable[[Chunks], StepProfiler], point: ProfilePoint
 
 def sized_for_bucket(event: AllocationEvent) -> bool:
     """Whether a malloc of a memo profile is a buffer the runtime sizes for the longest step of the length bucket
-    (:mod:`hf_memo.runtime.buckets`): a host buffer, or a copy buffer (without a memory plan, as profiled)."""
-    return event.location == "host" or (event.name or "").split(" ")[0] in COPY_SLOTS
+    (:mod:`hf_memo.runtime.buckets`): a host buffer (device buffers are sized by the step's own need)."""
+    return event.location == "host"
 
 
 class FittedFootprint:

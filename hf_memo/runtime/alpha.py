@@ -10,9 +10,9 @@ tokens), host bandwidth ``B``, one layer's forward time ``T``, host memory ``M``
                           (2 + 2) * (S_in + S_attn + alpha * S_other) <= D    (the device holds its share)
                           0 <= alpha <= 1
 
-The device holds, at its fullest, the stashes of the two unswapped top layers and two buffers of a
-swapped layer's stash (the rounding buffers at the end of forward; the prefetch buffers, which take
-their place, in backward). A one-variable LP: the answer is the smallest of the bounds, clipped to
+The device holds, at its fullest, the stashes of the two unswapped top layers and two of a swapped layer's
+stash (its tensors while they are copied out at the end of forward; in backward, the prefetch buffers of the
+layer running and the one below it). A one-variable LP: the answer is the smallest of the bounds, clipped to
 [0, 1], then rounded down to the executor's grid of whole mini-sequence chunks (what runs is what the plan
 says). When even ``S_in + S_attn`` of every swapped layer does not fit in ``M``, only as many layers
 are swapped as fit and the rest keep their activations on the device (they count for ``D`` too). When no

@@ -1,14 +1,14 @@
 """The arena: one device buffer from which hf_memo's own buffers are served at their planned offsets.
 
-The buffers hf_memo allocates itself (rounding buffers, prefetch buffers, chunk intermediates, ...)
-have stable names (``"layer 3 rounding 0"``). A :class:`~hf_memo.planner.plan.MemoryPlan` gives each
+The buffers hf_memo allocates itself (prefetch buffers, chunk intermediates, ...)
+have stable names (``"layer 3 prefetch 0"``). A :class:`~hf_memo.planner.plan.MemoryPlan` gives each
 name an offset in an arena of ``plan.arena_size`` bytes such that buffers alive at the same time
 never overlap. The arena allocates that buffer once and hands out views::
 
     arena = Arena(plan, device="cuda")
-    x = arena.take("layer 3 rounding 0", (S, H), torch.bfloat16)   # a (S, H) view at its planned offset
+    x = arena.take("layer 3 prefetch 0", (S, H), torch.bfloat16)   # a (S, H) view at its planned offset
     ...                                                          # use x
-    arena.release("layer 3 rounding 0")                          # x's memory may now serve another name
+    arena.release("layer 3 prefetch 0")                          # x's memory may now serve another name
 
 A name stays taken until it is released. The arena never hands out memory that a taken buffer
 occupies: a request that would overlap one (the run's lifetimes differ from the plan's), that is

@@ -17,7 +17,7 @@ from hf_memo.runtime.executor import (  # the executor's own layout steps, so th
     AttentionCore,
     LayerSplit,
     MemoLayerFunction,
-    _gather_heads,
+    _HeadRows,
     _sequence_major,
 )
 from hf_memo.runtime.offload import CopyEngine, HostPool
@@ -44,7 +44,6 @@ class _ProbeRuntime:
             False,
             engine,
             HostPool(device),
-            DeviceSlots("probe", device, engine),
             DeviceSlots("probe", device, engine),
         )
 
@@ -160,9 +159,11 @@ def _chunked_forward(
     ``clock`` (if any) is marked at the start, around the attention core, and at the end."""
     mark = (lambda: None) if clock is None else clock.mark
     mark()
-    parts = [split.project(x[:, start:stop], start, stop) for start, stop in bounds]
-    q, k, v = (_gather_heads([chunk[i] for chunk in parts]) for i in range(3))
-    del parts
+    rows = _HeadRows(x.shape[1])
+    for start, stop in bounds:
+        rows.write(start, stop, split.project(x[:, start:stop], start, stop))
+    q, k, v = rows.tensors
+    del rows
     mark()
     out, _ = core.forward(q, k, v, split.traits)
     mark()

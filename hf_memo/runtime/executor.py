@@ -43,8 +43,9 @@ from torch.autograd.graph import get_gradient_edge
 
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
-from hf_memo.runtime.attention_core import AttentionStats
+from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
 from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable
 from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
 
@@ -109,8 +110,7 @@ class StashSource(Protocol):
     def sealed(self, index: int, stash: LayerStash) -> None: ...
 
     def backward_started(self, stash: LayerStash, device: torch.device) -> None:
-        """The backward of ``stash``'s layer begins: prefetch the stash below it (same forward); the top layer
-        frees the rounding buffers."""
+        """The backward of ``stash``'s layer begins: prefetch the stash below it (same forward)."""
         ...
 
     def backward_done(self, stash: LayerStash, device: torch.device) -> None:
@@ -194,9 +194,22 @@ def _chunk_outputs(
     return outputs, upstream
 
 
-def _gather_heads(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Chunks ``(B, h, s_i, D)`` -> ``(B, h, S, D)``, a view of ``(B, S, h, D)`` memory (one copy)."""
-    return torch.cat([t.transpose(1, 2) for t in parts], dim=1).transpose(1, 2)
+class _HeadRows:
+    """q, k and v ``(B, h, S, D)`` of the whole sequence filled chunk by chunk, each a view of ``(B, S, h, D)``
+    memory allocated when its first chunk arrives (no list of chunks concatenated: one copy, never two)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.tensors: list[torch.Tensor] = []
+
+    def write(self, start: int, stop: int, parts: tuple[torch.Tensor, ...]) -> None:
+        """Rows ``[start, stop)`` of each tensor from ``parts`` ``(B, h_i, stop - start, D_i)``."""
+        if not self.tensors:
+            self.tensors = [
+                t.new_empty((t.shape[0], self.length, t.shape[1], t.shape[3])).transpose(1, 2) for t in parts
+            ]
+        for full, t in zip(self.tensors, parts):
+            full[:, :, start:stop] = t
 
 
 def _sequence_major(out: torch.Tensor) -> torch.Tensor:
@@ -207,19 +220,17 @@ def _sequence_major(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _rebuild_qkv(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q ``(B, h, S, D)``, k, v ``(B, h_kv, S, D)`` of the layer's forward: the offloaded chunks' from the stash,
-    the others projected again from ``x`` ``(B, S, H)`` under their forward's RNG and autocast state."""
-    qkv: list[list[torch.Tensor]] = [[], [], []]
-    for refs in ctx.qkv_refs:
-        for parts, ref in zip(qkv, refs):
-            parts.append(ctx.stash.rebuild(ref))
+def _rebuild_qkv(ctx, x: torch.Tensor, keys_only: bool = False) -> list[torch.Tensor]:
+    """q ``(B, h, S, D)``, k, v ``(B, h_kv, S, D)`` of the layer's forward (``keys_only``: k and v): the offloaded
+    chunks' from the stash, the others projected again from ``x`` ``(B, S, H)`` under their forward's RNG and
+    autocast state."""
+    rows, first = _HeadRows(x.shape[1]), 1 if keys_only else 0
+    for (start, stop), refs in zip(ctx.bounds, ctx.qkv_refs):
+        rows.write(start, stop, tuple(ctx.stash.rebuild(ref) for ref in refs[first:]))
     for (start, stop), replay in zip(ctx.bounds[ctx.alpha_chunks :], ctx.pre_replays):
         with torch.no_grad(), replay.replay():
-            for parts, t in zip(qkv, ctx.split.project(_rows(x, start, stop), start, stop)):
-                parts.append(t)
-    q, k, v = (_gather_heads(parts) for parts in qkv)
-    return q, k, v
+            rows.write(start, stop, ctx.split.project(_rows(x, start, stop), start, stop)[first:])
+    return rows.tensors
 
 
 class MemoLayerFunction(torch.autograd.Function):
@@ -245,22 +256,22 @@ class MemoLayerFunction(torch.autograd.Function):
         x = x.detach()  # rows are read through graph sources or without autograd, never through x's graph
         ctx.x_ref = stash.add(x)
 
-        qkv: list[list[torch.Tensor]] = [[], [], []]
+        qkv = _HeadRows(x.shape[1])
         ctx.pre_graphs, ctx.pre_replays, ctx.qkv_refs = [], [], []
         with torch.enable_grad(), hooks:
             for start, stop in offloaded:
                 x_in = _Source.apply(anchor, _rows(x, start, stop))
                 outputs = split.project(x_in, start, stop)
                 ctx.pre_graphs.append((get_gradient_edge(x_in), [get_gradient_edge(t) for t in outputs]))
-                for parts, t in zip(qkv, outputs):
-                    parts.append(t.detach())
+                outputs = tuple(t.detach() for t in outputs)
+                ctx.qkv_refs.append([stash.add(t) for t in outputs])
+                qkv.write(start, stop, outputs)
+                del outputs
         with torch.no_grad():
             for start, stop in recomputed:
                 ctx.pre_replays.append(ReplayState.capture(x.device))
-                for parts, t in zip(qkv, split.project(_rows(x, start, stop), start, stop)):
-                    parts.append(t)
-        ctx.qkv_refs = [[stash.add(parts[i]) for parts in qkv] for i in range(len(offloaded))]
-        q, k, v = (_gather_heads(parts) for parts in qkv)
+                qkv.write(start, stop, split.project(_rows(x, start, stop), start, stop))
+        q, k, v = qkv.tensors
         del qkv
         ctx.attention_replay = None if keep_attention else ReplayState.capture(x.device)
         out, stats = core.forward(q, k, v, split.traits)
@@ -318,71 +329,15 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx, device: torch.device, grad_y: torch.Tensor | None, grad_sides: tuple[torch.Tensor | None, ...]
     ) -> tuple:
         stash: LayerStash = ctx.stash
-        split: LayerSplit = ctx.split
         params = ctx.saved_tensors
         # retain_graph=True: everything the layer keeps stays for the next backward through this graph
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         ctx.runtime.backward_started(stash, device)
         wanted = list(ctx.needs_input_grad[7:])
-        wanted_params = [p for p, w in zip(params, wanted) if w]
         sums = GradSum(params, wanted)
         x = stash.rebuild(ctx.x_ref)
-        if ctx.keep_attention:
-            q = k = v = None
-            out, stats = stash.rebuild(ctx.o_ref), replace(ctx.stats, lse=stash.rebuild(ctx.lse_ref))
-        else:
-            q, k, v = _rebuild_qkv(ctx, x)
-            with torch.no_grad(), ctx.attention_replay.replay():
-                out, stats = ctx.core.forward(q, k, v, split.traits)
-            ctx.runtime.attention_ran()
-            out = ctx.recomputed_out.value = _sequence_major(out)
-        o_rows = out.transpose(1, 2).reshape(*x.shape[:2], -1)
-        grad_x = torch.empty_like(x)
-        grad_o = torch.empty_like(o_rows)
-        offloaded, recomputed = ctx.bounds[: ctx.alpha_chunks], ctx.bounds[ctx.alpha_chunks :]
-
-        for (start, stop), (x_edge, o_edge, y_edge, side_edges) in zip(offloaded, ctx.post_graphs):
-            outputs, upstream = _chunk_outputs(y_edge, side_edges, grad_y, grad_sides, x.shape[0], start, stop)
-            grads = torch.autograd.grad(
-                outputs, [x_edge, o_edge, *wanted_params], upstream, retain_graph=keep, allow_unused=True
-            )
-            grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
-        for (start, stop), replay in zip(recomputed, ctx.post_replays):
-            x_rows = _rows(x, start, stop).detach().requires_grad_(True)
-            o_in = _rows(o_rows, start, stop).detach().requires_grad_(True)
-            with torch.enable_grad(), replay.replay():
-                y_rows, side = _finished(split.finish(x_rows, o_in))
-            side = [t if t.requires_grad else None for t in side]
-            outputs, upstream = _chunk_outputs(y_rows, side, grad_y, grad_sides, x.shape[0], start, stop)
-            grads = torch.autograd.grad(outputs, [x_rows, o_in, *wanted_params], upstream, allow_unused=True)
-            grad_x[:, start:stop], grad_o[:, start:stop] = _accumulate(list(grads), 2, sums, wanted)
-
-        if q is None:
-            q, k, v = _rebuild_qkv(ctx, x)
-        grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
-        dq, dk, dv, dsinks = ctx.core.backward(grad_out, q, k, v, out, stats, split.traits)
-        _add_sinks_grad(sums, params, split.traits.sinks, dsinks)
-        del q, k, v, grad_o, grad_out, out, o_rows
-
-        for (start, stop), (x_edge, edges) in zip(offloaded, ctx.pre_graphs):
-            grads = torch.autograd.grad(
-                edges,
-                [x_edge, *wanted_params],
-                [t[:, :, start:stop] for t in (dq, dk, dv)],
-                retain_graph=keep,
-                allow_unused=True,
-            )
-            (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
-            grad_x[:, start:stop] += grad_pre
-        for (start, stop), replay in zip(recomputed, ctx.pre_replays):
-            x_rows = _rows(x, start, stop).detach().requires_grad_(True)
-            with torch.enable_grad(), replay.replay():
-                outputs = split.project(x_rows, start, stop)
-            grads = torch.autograd.grad(
-                outputs, [x_rows, *wanted_params], [t[:, :, start:stop] for t in (dq, dk, dv)], allow_unused=True
-            )
-            (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
-            grad_x[:, start:stop] += grad_pre
+        backward = _blocked_backward if _runs_in_blocks(ctx.core, x, ctx.split.traits) else _whole_backward
+        grad_x = backward(ctx, x, grad_y, grad_sides, sums, keep)
         stash.release(keep)
         ctx.runtime.backward_done(stash, device)
         if ctx.recomputed_out is not None:
@@ -390,3 +345,147 @@ class MemoLayerFunction(torch.autograd.Function):
         if not keep:
             ctx.post_graphs = ctx.pre_graphs = ctx.stash = ctx.recomputed_out = None
         return (None, None, None, None, None, None, grad_x, *sums.result())
+
+
+def _runs_in_blocks(core: AttentionCore, x: torch.Tensor, traits: AttentionTraits) -> bool:
+    """Whether the layer's backward runs attention one chunk of queries at a time (:mod:`.blocked_attention`): the
+    core attends on this device's whole sequence (not packed, not sequence-parallel) and the traits allow it."""
+    local = core is LocalAttention or type(core) is LocalAttention
+    return local and blockable(x.transpose(1, 2), traits)
+
+
+def _finish_backward(ctx, chunk: int, x: torch.Tensor, o_rows: torch.Tensor, grad_y, grad_sides, sums, keep):
+    """``(grad_x rows, grad_o rows)`` of chunk ``chunk`` through ``finish`` (its saved graph, or recomputed from
+    ``x`` and ``o_rows``, the chunk's rows ``(B, s, H)`` and ``(B, s, h * D)``); parameter gradients go to ``sums``."""
+    start, stop = ctx.bounds[chunk]
+    wanted = list(ctx.needs_input_grad[7:])
+    wanted_params = [p for p, w in zip(ctx.saved_tensors, wanted) if w]
+    if chunk < ctx.alpha_chunks:
+        x_edge, o_edge, y_edge, side_edges = ctx.post_graphs[chunk]
+        outputs, upstream = _chunk_outputs(y_edge, side_edges, grad_y, grad_sides, x.shape[0], start, stop)
+        grads = torch.autograd.grad(
+            outputs, [x_edge, o_edge, *wanted_params], upstream, retain_graph=keep, allow_unused=True
+        )
+        return _accumulate(list(grads), 2, sums, wanted)
+    x_rows = x.detach().requires_grad_(True)
+    o_in = o_rows.detach().requires_grad_(True)
+    with torch.enable_grad(), ctx.post_replays[chunk - ctx.alpha_chunks].replay():
+        y_rows, side = _finished(ctx.split.finish(x_rows, o_in))
+    side = [t if t.requires_grad else None for t in side]
+    outputs, upstream = _chunk_outputs(y_rows, side, grad_y, grad_sides, x.shape[0], start, stop)
+    grads = torch.autograd.grad(outputs, [x_rows, o_in, *wanted_params], upstream, allow_unused=True)
+    return _accumulate(list(grads), 2, sums, wanted)
+
+
+def _project_graph(ctx, chunk: int, x: torch.Tensor, keep: bool) -> tuple:
+    """Chunk ``chunk``'s graph through ``project`` from its rows ``x`` ``(B, s, H)``: ``(input, outputs, retain)``,
+    its saved graph's edges (offloaded chunks; ``retain``: ``keep``) or a graph recomputed now (q ``(B, h, s, D)``,
+    k, v ``(B, h_kv, s, D)``) from ``x`` under the forward's RNG and autocast state."""
+    if chunk < ctx.alpha_chunks:
+        x_edge, edges = ctx.pre_graphs[chunk]
+        return x_edge, edges, keep
+    x_rows = x.detach().requires_grad_(True)
+    start, stop = ctx.bounds[chunk]
+    with torch.enable_grad(), ctx.pre_replays[chunk - ctx.alpha_chunks].replay():
+        outputs = ctx.split.project(x_rows, start, stop)
+    return x_rows, outputs, False
+
+
+def _project_backward(ctx, graph: tuple, grads_qkv: list[torch.Tensor], sums: GradSum) -> torch.Tensor:
+    """The gradient of a chunk's rows through its ``project`` ``graph`` (:func:`_project_graph`), given its outputs'
+    gradients ``grads_qkv`` (dq ``(B, h, s, D)``, dk, dv ``(B, h_kv, s, D)``); parameter gradients go to ``sums``."""
+    source, outputs, retain = graph
+    wanted = list(ctx.needs_input_grad[7:])
+    wanted_params = [p for p, w in zip(ctx.saved_tensors, wanted) if w]
+    grads = torch.autograd.grad(outputs, [source, *wanted_params], grads_qkv, retain_graph=retain, allow_unused=True)
+    (grad_pre,) = _accumulate(list(grads), 1, sums, wanted)
+    return grad_pre
+
+
+def _attention_rows(out: torch.Tensor) -> torch.Tensor:
+    """Attention output ``(B, h, s, D)`` (a view of ``(B, s, h, D)`` memory) as rows ``(B, s, h * D)``, a view."""
+    return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
+    """The layer's backward chunk by chunk, last chunk first, with attention in query blocks of the chunks.
+
+    Chunk ``c``'s queries attend to the keys of chunks ``<= c``, so once chunk ``c`` is done the keys of chunk
+    ``c`` have every gradient they get: its ``finish``, attention and ``project`` backward run back to back, and
+    only k, v and their gradients are held for the whole sequence (dK/dV summed in fp32 for half inputs), with the
+    gradient of ``x``. A layer keeping its input only recomputes its chunk's attention output (and a layer whose
+    offloaded chunks saved views of it, the whole output's rows, one chunk at a time)."""
+    k, v = _rebuild_qkv(ctx, x, keys_only=True)
+    accumulate = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+    dk, dv = (torch.zeros(t.shape, dtype=accumulate, device=t.device) for t in (k, v))
+    grad_x = torch.empty_like(x)
+    traits = ctx.split.traits
+    if ctx.keep_attention:
+        out, lse = ctx.stash.rebuild(ctx.o_ref), ctx.stash.rebuild(ctx.lse_ref)
+    elif ctx.alpha_chunks:
+        shape, stride, _ = ctx.recomputed_out.layout
+        out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=x.device)
+        ctx.recomputed_out.value = out
+    if not ctx.keep_attention:
+        ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
+    for chunk in reversed(range(len(ctx.bounds))):
+        start, stop = ctx.bounds[chunk]
+        x_rows = _rows(x, start, stop)
+        graph = _project_graph(ctx, chunk, x_rows, keep)
+        offloaded = chunk < ctx.alpha_chunks
+        q_rows = ctx.stash.rebuild(ctx.qkv_refs[chunk][0]) if offloaded else graph[1][0].detach()
+        keys = (k[:, :, :stop], v[:, :, :stop])
+        if ctx.keep_attention:
+            out_rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
+        else:
+            out_rows, lse_rows = block_forward(q_rows, *keys, start, traits)
+            if ctx.alpha_chunks:
+                out[:, :, start:stop] = out_rows
+        grad_x[:, start:stop], grad_o = _finish_backward(
+            ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
+        )
+        grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
+        dq, dk_rows, dv_rows, dsinks = block_backward(grad_out, q_rows, *keys, out_rows, lse_rows, start, traits)
+        del grad_o, grad_out, out_rows, lse_rows
+        _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
+        dk[:, :, :stop] += dk_rows
+        dv[:, :, :stop] += dv_rows
+        del dk_rows, dv_rows
+        grads_qkv = [dq, *(g[:, :, start:stop].to(t.dtype) for g, t in ((dk, k), (dv, v)))]
+        grad_x[:, start:stop] += _project_backward(ctx, graph, grads_qkv, sums)
+        del graph
+    return grad_x
+
+
+def _whole_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
+    """The layer's backward with attention on the whole sequence at once: ``finish`` chunk by chunk, the attention
+    core's backward, then ``project`` chunk by chunk."""
+    split: LayerSplit = ctx.split
+    stash: LayerStash = ctx.stash
+    if ctx.keep_attention:
+        q = k = v = None
+        out, stats = stash.rebuild(ctx.o_ref), replace(ctx.stats, lse=stash.rebuild(ctx.lse_ref))
+    else:
+        q, k, v = _rebuild_qkv(ctx, x)
+        with torch.no_grad(), ctx.attention_replay.replay():
+            out, stats = ctx.core.forward(q, k, v, split.traits)
+        ctx.runtime.attention_ran()
+        out = ctx.recomputed_out.value = _sequence_major(out)
+    o_rows = _attention_rows(out)
+    grad_x = torch.empty_like(x)
+    grad_o = torch.empty_like(o_rows)
+    for chunk, (start, stop) in enumerate(ctx.bounds):
+        grad_x[:, start:stop], grad_o[:, start:stop] = _finish_backward(
+            ctx, chunk, _rows(x, start, stop), _rows(o_rows, start, stop), grad_y, grad_sides, sums, keep
+        )
+    if q is None:
+        q, k, v = _rebuild_qkv(ctx, x)
+    grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
+    dq, dk, dv, dsinks = ctx.core.backward(grad_out, q, k, v, out, stats, split.traits)
+    _add_sinks_grad(sums, ctx.saved_tensors, split.traits.sinks, dsinks)
+    del q, k, v, grad_o, grad_out, out, o_rows
+    for chunk, (start, stop) in enumerate(ctx.bounds):
+        grads_qkv = [t[:, :, start:stop] for t in (dq, dk, dv)]
+        graph = _project_graph(ctx, chunk, _rows(x, start, stop), keep)
+        grad_x[:, start:stop] += _project_backward(ctx, graph, grads_qkv, sums)
+    return grad_x

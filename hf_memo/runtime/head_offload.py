@@ -3,10 +3,10 @@
 The mini-sequence loss keeps only the final hidden states ``(B, S, H)`` for its backward (the final
 norm and the logits are recomputed chunk by chunk). Once the memo executor has moved every other
 layer's input to the host, this one tensor is as large as what the two unswapped top layers keep.
-So it is swapped like a layer's stash: packed into a rounding buffer when the loss's forward ends,
-copied to a pooled host buffer on the device-to-host stream (behind the rest of the forward), and
-fetched back when the loss's backward starts. That fetch is not hidden behind compute (it is the
-first thing backward needs): one layer input's bytes, against the LM head's full backward.
+So it is swapped like a layer's stash: copied to a pooled host buffer on the device-to-host stream when the
+loss's forward ends (behind the rest of the forward), and fetched back when the loss's backward starts. That
+fetch is not hidden behind compute (it is the first thing backward needs): one layer input's bytes, against
+the LM head's full backward.
 """
 
 from __future__ import annotations

@@ -123,20 +123,18 @@ class StepMeasurements:
     device_in_use: int = 0
 
 
-COPY_SLOTS = ("rounding", "prefetch")
-"""Names of the copy buffers (:class:`~hf_memo.runtime.stash.DeviceSlots`): without a memory plan, sized like the
-host buffers for the longest step of the length bucket."""
+PREFETCH_SLOTS = "prefetch"
+"""Name of the buffers swapped stashes are fetched into (:class:`~hf_memo.runtime.stash.DeviceSlots`)."""
 
 
 class _Transport:
-    """Per-device copy engine, host pool (holding at most ``host_limit`` bytes), rounding buffers and prefetch
-    buffers (from ``arena`` if planned)."""
+    """Per-device copy engine, host pool (holding at most ``host_limit`` bytes) and prefetch buffers (from
+    ``arena`` if planned)."""
 
     def __init__(self, device: torch.device, arena: Arena | None, host_limit: int | None = None) -> None:
         self.engine = CopyEngine(device)
         self.pool = HostPool(device, limit=host_limit)
-        self.rounding = DeviceSlots(COPY_SLOTS[0], device, self.engine, arena)
-        self.prefetch = DeviceSlots(COPY_SLOTS[1], device, self.engine, arena)
+        self.prefetch = DeviceSlots(PREFETCH_SLOTS, device, self.engine, arena)
 
 
 class MemoRuntime:
@@ -146,7 +144,7 @@ class MemoRuntime:
         attention_calls: attention forwards run by the executor (in forward, and in backward for layers
             that keep their input only).
         plan: the :class:`~hf_memo.planner.policy.MemoryPolicy` of the most recent layer shape.
-        memory_plan: the memory plan whose arena serves the rounding and prefetch buffers (``planner`` on).
+        memory_plan: the memory plan whose arena serves the prefetch buffers (``planner`` on).
 
     Args:
         planner: ``planner(batch_size, seq_len, offload=decision)`` makes a memory plan for a step of that
@@ -474,10 +472,10 @@ class MemoRuntime:
 
     # -- memory plan --------------------------------------------------------------------------------------
     def attach_memory_plan(self, plan: MemoryPlan | None) -> None:
-        """Serve the rounding and prefetch buffers from an arena laid out by ``plan`` (``None``: the allocator)."""
+        """Serve the prefetch buffers from an arena laid out by ``plan`` (``None``: the allocator)."""
         self.memory_plan = plan
         for device, transport in self._transports.items():
-            transport.rounding.arena = transport.prefetch.arena = None if plan is None else Arena(plan, device)
+            transport.prefetch.arena = None if plan is None else Arena(plan, device)
 
     def _plan_memory(self, batch_size: int, seq_len: int, decision: OffloadDecision) -> None:
         if _made_for(self.memory_plan, batch_size, seq_len, decision):
@@ -511,7 +509,6 @@ class MemoRuntime:
             layer.on_host,
             transport.engine,
             transport.pool,
-            transport.rounding,
             transport.prefetch,
             keep_attention=layer.keep_attention,
             stretch=self._stretch,
@@ -521,9 +518,8 @@ class MemoRuntime:
         """A swapped stash for the LM head's input ``hidden`` ``(B, S, H)``, or ``None`` to keep it on the device.
 
         ``None`` when no layer of that shape has run yet, when no layer is on the host, or when the host
-        limit has no room for it beside the layers' offloaded bytes. It uses the rounding and prefetch buffers of an
-        imaginary layer ``n``: those of layer ``n - 2`` (whose copies, if it is on the host, are done
-        before a buffer is reused).
+        limit has no room for it beside the layers' offloaded bytes. It is fetched into the prefetch buffer of an
+        imaginary layer ``n``: that of layer ``n - 2``, free again by then.
         """
         decision = self._decisions.get(_shape_key(hidden))
         if decision is None or not decision.head_offloaded:
@@ -534,7 +530,6 @@ class MemoRuntime:
             True,
             transport.engine,
             transport.pool,
-            transport.rounding,
             transport.prefetch,
             stretch=stretch(hidden.shape[1]),
         )
@@ -545,8 +540,6 @@ class MemoRuntime:
         self._forward[index] = weakref.ref(stash)
 
     def backward_started(self, stash: LayerStash, device: torch.device) -> None:
-        if stash.index == self.num_layers - 1:
-            self._transport(device).rounding.release_all()
         below = stash.lower
         if below is not None:
             below.prefetch()
@@ -573,8 +566,8 @@ class MemoRuntime:
 
     @property
     def device_buffer_bytes(self) -> int:
-        """Device bytes of the rounding and prefetch buffers."""
-        return sum(t.rounding.reserved_bytes + t.prefetch.reserved_bytes for t in self._transports.values())
+        """Device bytes of the prefetch buffers held now."""
+        return sum(t.prefetch.reserved_bytes for t in self._transports.values())
 
 
 def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.device) -> StepMeasurements:

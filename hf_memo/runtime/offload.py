@@ -201,8 +201,12 @@ class CopyEngine:
             return stream.record_event()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
-        """Copy device ``src`` into host ``dst`` once the compute stream's work so far is done."""
-        return self._copy(self.d2h, dst, src, None)
+        """Copy device ``src`` into host ``dst`` once the compute stream's work so far is done. ``src``'s device
+        memory is not reused before the copy is done, whoever drops it (it is recorded on the copy stream)."""
+        event = self._copy(self.d2h, dst, src, None)
+        if self.d2h is not None:
+            src.record_stream(self.d2h)
+        return event
 
     def to_device(
         self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None

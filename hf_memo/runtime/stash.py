@@ -2,11 +2,13 @@
 
 A :class:`LayerStash` collects the layer's saved tensors during forward (the layer input, the
 attention output and statistics, and the saved activations of its offloaded tokens), by storage, so
-views are kept once. When the layer's forward ends it is *sealed*: for a swapped layer the storages
-are packed into the layer's rounding buffer (two alternate, layer ``i`` uses ``i % 2``) and copied
-to a pooled host buffer on the device-to-host stream, and the device copies are dropped. In
-backward the bytes come back into one of two prefetch buffers — ahead of time, while the layer
-above computes — and every saved tensor is rebuilt as a view with its original shape and strides.
+views are kept once. When the layer's forward ends it is *sealed*: for a swapped layer each storage
+is copied straight into its place in a pooled host buffer on the device-to-host stream (no device
+staging buffer: a storage's device memory is reused only once its copy is done), and the device
+tensors are dropped. In backward the bytes come back into one of two prefetch buffers, as large as the
+layer keeps — ahead of time, while the layer above computes — and every saved tensor is rebuilt as a
+view with its original shape and strides. A prefetch buffer is given back as soon as its layer's backward
+is done.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ class StashRef:
 
 
 class DeviceSlots:
-    """Two alternating flat device buffers, ``"<name> 0"`` and ``"<name> 1"``, reused by the layers of a step.
+    """Two alternating flat device buffers, ``"<name> 0"`` and ``"<name> 1"``, one per stash being fetched.
 
-    A slot is handed out only after the work that last used it is done (``release`` records when).
-    The buffers come from the memory plan's arena when there is one, else from PyTorch's allocator,
-    and are given back by :meth:`release_all` once the step no longer needs them (rounding buffers
-    when backward starts, prefetch buffers when it ends), so a plan can place both in the same bytes.
+    A slot's buffer is made when a stash acquires it, as large as that stash, and given back when the stash's
+    backward is done (:meth:`release`): only the stash being differentiated and the one fetched ahead of it hold
+    device bytes. The buffers come from the memory plan's arena when there is one, else from PyTorch's allocator
+    (on CUDA, a new buffer's bytes are written on the copy stream only after the compute stream's work queued so
+    far, which includes every read of the memory's previous use).
 
     A slot has at most one holder, the stash whose bytes it holds: handing the slot to another stash, or
     giving the buffers back, evicts the holder (:meth:`LayerStash.evict`), which fetches again when it
@@ -56,16 +59,13 @@ class DeviceSlots:
     def __init__(self, name: str, device: torch.device, engine: CopyEngine, arena: Arena | None = None) -> None:
         self.name, self.device, self.engine, self.arena = name, device, engine, arena
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._busy: list[torch.cuda.Event | None] = [None, None]
         self._holders: list[weakref.ref[LayerStash] | None] = [None, None]
 
-    def acquire(self, slot: int, nbytes: int, holder: LayerStash | None = None, capacity: int = 0) -> torch.Tensor:
-        """The ``(>= nbytes,)`` uint8 buffer of ``slot``, once its previous use has finished; ``holder`` (if
-        given) holds it from now on, and the previous holder is evicted. A new buffer holds ``capacity`` bytes if
-        that is more (the longest step of the length bucket), unless the memory plan places it."""
+    def acquire(self, slot: int, nbytes: int, holder: LayerStash) -> torch.Tensor:
+        """A ``(>= nbytes,)`` uint8 buffer for ``slot``, held by ``holder`` from now on (the previous holder is
+        evicted)."""
         self._evict(slot, keep=holder)
-        self._holders[slot] = None if holder is None else weakref.ref(holder)
-        self.engine.wait(self._busy[slot])
+        self._holders[slot] = weakref.ref(holder)
         buffer = self._buffers[slot]
         if buffer is None or buffer.numel() < nbytes:
             self._drop(slot)
@@ -73,23 +73,20 @@ class DeviceSlots:
             if self.arena is not None:
                 buffer = self.arena.take(name, (nbytes,), torch.uint8)
             else:
-                size = max(nbytes, capacity)
-                buffer = mark_owned(torch.empty(size, dtype=torch.uint8, device=self.device), name)
+                buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), name)
             self._buffers[slot] = buffer
         return buffer
 
-    def release(self, slot: int, done: torch.cuda.Event | None, holder: LayerStash | None = None) -> None:
-        """Record the event after which ``slot`` may be reused; ``holder`` no longer holds it."""
-        self._busy[slot] = done
-        if holder is not None and self._holder(slot) is holder:
+    def release(self, slot: int, holder: LayerStash) -> None:
+        """``holder``'s backward is done with ``slot``: its buffer is given back (if ``holder`` still holds it)."""
+        if self._holder(slot) is holder:
             self._holders[slot] = None
+            self._drop(slot)
 
     def release_all(self) -> None:
-        """Give both buffers back once the work using them is done (the compute stream waits for it)."""
+        """Give both buffers back, evicting their holders."""
         for slot in (0, 1):
             self._evict(slot)
-            self.engine.wait(self._busy[slot])
-            self._busy[slot] = None
             self._drop(slot)
 
     def _holder(self, slot: int) -> LayerStash | None:
@@ -116,8 +113,8 @@ class LayerStash:
     """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``.
 
     ``keep_attention`` tells the executor what the layer keeps: its attention output and statistics too,
-    or (``False``) its input only, attention being recomputed in backward. ``stretch``: new host and device
-    buffers hold that many times the stash's bytes (the longest step of its length bucket, see
+    or (``False``) its input only, attention being recomputed in backward. ``stretch``: new host buffers hold
+    that many times the stash's bytes (the longest step of its length bucket, see
     :mod:`~hf_memo.runtime.buckets`), so the bucket's other steps reuse them. ``below`` is the stash of the
     layer below in the same forward (set by the runtime when this one is sealed; ``None`` for the lowest):
     backward prefetches it, and only it, so each graph's backward fetches its own bytes.
@@ -129,14 +126,13 @@ class LayerStash:
         swapped: bool,
         engine: CopyEngine,
         pool: HostPool,
-        rounding: DeviceSlots,
         prefetch: DeviceSlots,
         keep_attention: bool = True,
         stretch: float = 1.0,
     ) -> None:
         self.index, self.swapped, self.keep_attention, self.stretch = index, swapped, keep_attention, stretch
         self.below: weakref.ref[LayerStash] | None = None
-        self._engine, self._pool, self._rounding, self._prefetch = engine, pool, rounding, prefetch
+        self._engine, self._pool, self._prefetch = engine, pool, prefetch
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
         self._index_of: dict[int, int] = {}  # storage address -> position (the storages below keep it unique)
         self._layout: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per storage
@@ -192,20 +188,16 @@ class LayerStash:
                 "the stashes the host has room for; MemoConfig.host_memory_limit sets the host's share"
             )
             return
-        slot = self.index % 2
-        staging = self._rounding.acquire(slot, self.nbytes, capacity=self._capacity)
-        for whole, view in zip(self._storages, self._views(staging)):
-            view.copy_(whole)
+        for whole, view in zip(self._storages, self._views(self._host)):
+            self._stored = self._engine.to_host(view, whole)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
         self._return_host = weakref.finalize(self, self._pool.release, self._host)
-        self._stored = self._engine.to_host(self._host[: self.nbytes], staging[: self.nbytes])
-        self._rounding.release(slot, self._stored)
         self._storages = []
 
     def prefetch(self) -> None:
         """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
         if self.swapped and self._slot_buffer is None and self._host is not None:
-            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self, capacity=self._capacity)
+            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self)
             self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes], self._stored)
             self._slot_buffer = buffer
 
@@ -234,11 +226,11 @@ class LayerStash:
         return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
 
     def release(self, keep: bool = False) -> None:
-        """After the layer's backward: give the prefetch slot back; unless ``keep`` (the backward retains the
+        """After the layer's backward: give the prefetch buffer back; unless ``keep`` (the backward retains the
         graph, ``retain_graph=True``), also drop the device copy and give the host buffer back to the pool.
         A kept swapped stash is fetched from the host again by the next backward."""
         if self._slot_buffer is not None:
-            self._prefetch.release(self.index % 2, self._engine.mark(), holder=self)
+            self._prefetch.release(self.index % 2, self)
         if keep:
             self.evict()
             return
