@@ -37,14 +37,12 @@ def _blocked(q, k, v, upstream, traits, size):
         rows, prefix = slice(start, start + size), slice(0, start + size)
         tensors = (q[:, :, rows], k[:, :, prefix], v[:, :, prefix])
         out, lse = block_forward(*tensors, start, traits)
-        grads = block_backward(upstream[:, :, rows], *tensors, out, lse, start, traits)
+        dq, block_dsinks = block_backward(upstream[:, :, rows], *tensors, out, lse, start, traits, dk, dv)
         outs.append(out)
         lses.append(lse)
-        dqs.append(grads[0])
-        dk[:, :, prefix] += grads[1]
-        dv[:, :, prefix] += grads[2]
+        dqs.append(dq)
         if dsinks is not None:
-            dsinks += grads[3]
+            dsinks += block_dsinks
     return torch.cat(outs, 2), torch.cat(lses, 2), (torch.cat(dqs, 2), dk, dv, dsinks)
 
 
@@ -178,8 +176,9 @@ def test_a_fake_profile_for_a_cuda_target_records_one_groups_expanded_dk_dv(targ
         k, v = (torch.empty(1, start + rows, kv_heads, dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         lse = torch.empty(1, heads, rows)
         with AllocationRecorder(lambda: "layer", lambda: "backward", workspace_hook(target)) as recorder:
-            dq, dk, dv, _ = block_backward(grad_out, q, k, v, out, lse, start, AttentionTraits(dim**-0.5))
-    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+            dk, dv = (torch.zeros(1, kv_heads, start + rows, dim) for _ in range(2))
+            dq, _ = block_backward(grad_out, q, k, v, out, lse, start, AttentionTraits(dim**-0.5), dk, dv)
+    assert dq.shape == q.shape
     expanded = sorted(e.size for e in recorder.trace().events if e.source and e.source.endswith("dk_expanded"))
     group = heads // kv_heads
     assert expanded == sorted([rows * group * dim * 2] * kv_heads + [start * group * dim * 2] * kv_heads)

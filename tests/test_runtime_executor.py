@@ -281,3 +281,49 @@ def test_sinks_that_need_a_gradient_but_are_no_parameter_of_the_layer_are_refuse
             _run(fn, x, params, upstream)
     else:
         _run(fn, x, params[:-1], upstream)
+
+
+class _Copy(torch.autograd.Function):
+    """``x.clone()`` that records where its output lives and where the gradient it receives lives."""
+
+    addresses = {}
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        _Copy.addresses["output"] = out.data_ptr()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Copy.addresses["grad"] = grad.data_ptr()
+        return grad
+
+
+@pytest.mark.parametrize("index", [0, 2], ids=["swapped-layer", "device-layer"])
+@pytest.mark.parametrize("held", [False, True])
+def test_the_input_gradient_takes_the_inputs_memory_only_where_nothing_else_reads_it(index, held):
+    params = _params()
+    split = ToySplit(params, torch.linspace(0.5, 1.5, 13, dtype=torch.float64))
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
+    fn, _ = _memo(split, index, 4, 1, keep_attention=False)
+    kept = []
+
+    def layer(t):
+        copy = _Copy.apply(t)
+        if held:
+            kept.append(copy)  # e.g. a hidden state returned with output_hidden_states=True
+        return fn(copy)
+
+    got_y, got_grads = _run(layer, x, params, upstream)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    if held:
+        assert torch.equal(kept[0], x)  # the caller's tensor keeps its values
+    # A swapped layer's input comes back in a buffer of its own, which the gradient takes; a device layer's input
+    # is the caller's tensor, taken only when the caller let go of it.
+    same = _Copy.addresses["grad"] == _Copy.addresses["output"]
+    assert same == (index == 2 and not held)

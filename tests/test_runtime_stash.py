@@ -177,3 +177,45 @@ def test_autocast_weight_casts_are_never_stashed_and_gradients_track_unpatched(f
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=5e-2, atol=5e-2 * q.grad.abs().max().item(), msg=name)
+
+
+def test_a_device_stash_owns_its_input_only_when_no_tensor_outside_references_it():
+    stash, _ = _stash(swapped=False)
+    x = torch.randn(4, 8)
+    ref = stash.add(x)
+    stash.seal()
+    rebuilt = stash.rebuild(ref)
+    assert not stash.owns(ref)  # the caller's ``x`` is still alive: its gradient must not be written over it
+    del x
+    assert stash.owns(ref)
+    row = rebuilt[1]
+    assert not stash.owns(ref) and stash.owns(ref, views=2)  # views of the caller's own count as its own
+    del row
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_a_fetched_stash_owns_its_input_buffer_unless_an_arena_serves_it(arena):
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    slots = DeviceSlots("prefetch", device, engine)
+    if arena:
+        slots.arena = _StubArena()
+    stash = LayerStash(0, True, engine, HostPool(device), slots)
+    x, saved = torch.randn(4, 8), torch.randn(100)
+    ref, other = stash.add(x), stash.add(saved)
+    stash.seal()
+    rebuilt = stash.rebuild(ref)
+    assert torch.equal(rebuilt, x) and torch.equal(stash.rebuild(other), saved)
+    assert stash.owns(ref) is not arena and not stash.owns(other)  # the input's buffer is a part of its own
+    stash.release()
+    assert torch.equal(rebuilt, x)  # the input's memory outlives the slot (without an arena)
+
+
+class _StubArena:
+    """Hands out fresh buffers by name, as a planned arena's regions would be."""
+
+    def take(self, name, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def release(self, name):
+        pass

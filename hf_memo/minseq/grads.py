@@ -16,9 +16,19 @@ class GradSum:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], wanted: Sequence[bool]) -> None:
+        self._params = params
         self._dtypes = [p.dtype for p in params]
         self._sums: list[torch.Tensor | None] = [None] * len(params)
+        self._added = [False] * len(params)
         self.wanted = list(wanted)
+
+    def reserve(self) -> None:
+        """Allocate every wanted sum now (zeros shaped like its parameter), not at its first chunk: the memory a
+        backward holds is then the same from its first chunk to its last. A parameter no chunk adds to still
+        gets ``None``."""
+        for i, param in enumerate(self._params):
+            if self.wanted[i] and self._sums[i] is None:
+                self._sums[i] = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add one chunk's gradients (same order as ``params``; unwanted entries are ignored)."""
@@ -30,7 +40,10 @@ class GradSum:
                 self._sums[i] = grad.to(wide, copy=True)
             else:
                 self._sums[i].add_(grad)
+            self._added[i] = True
 
     def result(self) -> list[torch.Tensor | None]:
-        """The sums, each in its parameter's dtype."""
-        return [None if total is None else total.to(dtype) for total, dtype in zip(self._sums, self._dtypes)]
+        """The sums, each in its parameter's dtype (``None`` where no chunk added a gradient)."""
+        return [
+            total.to(dtype) if added else None for total, dtype, added in zip(self._sums, self._dtypes, self._added)
+        ]

@@ -149,26 +149,32 @@ def block_backward(
     lse: torch.Tensor,
     start: int,
     traits: AttentionTraits,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients ``(dq, dk, dv, dsinks)`` of :func:`block_forward` from its ``out`` and ``lse``.
+    dk_sum: torch.Tensor,
+    dv_sum: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of :func:`block_forward` from its ``out`` and ``lse``: ``(dq, dsinks)``, and the block's part of the
+    prefix keys' gradients added to ``dk_sum`` and ``dv_sum``.
 
     Args:
         grad_out: ``(B, h, s, D)`` the gradient of ``out``.
         q, k, v, start, traits: as given to :func:`block_forward`.
         out, lse: ``(B, h, s, D)`` and ``(B, h, s)`` as :func:`block_forward` returned them.
+        dk_sum, dv_sum: ``(B, h_kv, >= start + s, D)`` running sums of the keys' and values' gradients over blocks
+            (e.g. in float32 for half inputs): the kernels' gradients are added to their first ``start + s`` rows
+            as each call returns them, so no gradient of the whole prefix is allocated.
 
     Returns:
-        ``dq`` ``(B, h, s, D)``; ``dk, dv`` ``(B, h_kv, start + s, D)``, the block's contribution to the prefix keys'
-        gradients; each in its input's dtype; ``dsinks`` ``(h,)`` the block's part of the sinks' gradient (``None``
-        without sinks).
+        ``dq`` ``(B, h, s, D)`` in ``q``'s dtype; ``dsinks`` ``(h,)`` the block's part of the sinks' gradient
+        (``None`` without sinks).
     """
-    dtypes = (q.dtype, k.dtype, v.dtype)
+    q_dtype = q.dtype
     q, k, v, grad_out = (t.to(out.dtype) for t in (q, k, v, grad_out))
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     kernel_traits = _kernel_traits(traits, k.shape[2])
     backend = backend_for(q, kernel_traits)
-    dq, dk, dv = (torch.empty_like(t, dtype=dtype) for t, dtype in zip((q, k, v), dtypes))
+    dq = torch.empty_like(q, dtype=q_dtype)
+    dk, dv = dk_sum[:, :, : k.shape[2]], dv_sum[:, :, : k.shape[2]]
     groups = q.shape[1] // k.shape[1]
     if _expands_kv_grads(q, k, v, backend):  # one KV head and its group of query heads per call
         head_groups = [(slice(j * groups, (j + 1) * groups), slice(j, j + 1)) for j in range(k.shape[1])]
@@ -185,8 +191,8 @@ def block_backward(
                 causal,
             )
     if traits.sinks is None:
-        return dq, dk, dv, None
-    return dq, dk, dv, sinks_grad(grad_out, out, lse, traits.sinks)
+        return dq, None
+    return dq, sinks_grad(grad_out, out, lse, traits.sinks)
 
 
 def _part_backward_into(
@@ -197,13 +203,15 @@ def _part_backward_into(
     traits: AttentionTraits,
     causal: bool,
 ) -> None:
-    """One kernel backward on ``tensors`` ``(grad_out, q, k, v, out)``, written into ``grads`` ``(dq, dk, dv)``
-    (``dq`` added to when ``accumulate_dq``); the kernel's own gradients die on return."""
+    """One kernel backward on ``tensors`` ``(grad_out, q, k, v, out)``: its dq written into ``grads[0]`` (added to
+    when ``accumulate_dq``), its dk and dv added to ``grads[1:]``; the kernel's own gradients die on return."""
     dq, dk, dv = grads
     part_dq, part_dk, part_dv, _ = attention_backward(*tensors, stats, traits, causal)
     if accumulate_dq:
         dq += part_dq
     else:
         dq.copy_(part_dq)
-    dk.copy_(part_dk)
-    dv.copy_(part_dv)
+    del part_dq
+    dk += part_dk
+    del part_dk
+    dv += part_dv

@@ -413,13 +413,16 @@ def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> t
     Chunk ``c``'s queries attend to the keys of chunks ``<= c``, so once chunk ``c`` is done the keys of chunk
     ``c`` have every gradient they get: its ``finish``, attention and ``project`` backward run back to back, and
     only k, v and their gradients are held for the whole sequence (dK/dV summed in fp32 for half inputs), with the
-    gradient of ``x``. A layer keeping its input only recomputes its chunk's attention output (and a layer whose
-    offloaded chunks saved views of it, the whole output's rows, one chunk at a time)."""
+    gradient of ``x``, written over ``x`` itself where the stash owns its memory. A layer keeping its input only
+    recomputes its chunk's attention output (and a layer whose offloaded chunks saved views of it, the whole
+    output's rows, one chunk at a time)."""
+    sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
     k, v = _rebuild_qkv(ctx, x, keys_only=True)
     accumulate = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
     dk, dv = (torch.zeros(t.shape, dtype=accumulate, device=t.device) for t in (k, v))
-    grad_x = torch.empty_like(x)
-    traits = ctx.split.traits
+    # A chunk's rows of x are read for the last time by its own backward: the gradient can take their place.
+    grad_x = x if not keep and ctx.stash.owns(ctx.x_ref) else torch.empty_like(x)
+    out = lse = None
     if ctx.keep_attention:
         out, lse = ctx.stash.rebuild(ctx.o_ref), ctx.stash.rebuild(ctx.lse_ref)
     elif ctx.alpha_chunks:
@@ -429,32 +432,39 @@ def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> t
     if not ctx.keep_attention:
         ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
     for chunk in reversed(range(len(ctx.bounds))):
-        start, stop = ctx.bounds[chunk]
-        x_rows = _rows(x, start, stop)
-        graph = _project_graph(ctx, chunk, x_rows, keep)
-        offloaded = chunk < ctx.alpha_chunks
-        q_rows = ctx.stash.rebuild(ctx.qkv_refs[chunk][0]) if offloaded else graph[1][0].detach()
-        keys = (k[:, :, :stop], v[:, :, :stop])
-        if ctx.keep_attention:
-            out_rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
-        else:
-            out_rows, lse_rows = block_forward(q_rows, *keys, start, traits)
-            if ctx.alpha_chunks:
-                out[:, :, start:stop] = out_rows
-        grad_x[:, start:stop], grad_o = _finish_backward(
-            ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
-        )
-        grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
-        dq, dk_rows, dv_rows, dsinks = block_backward(grad_out, q_rows, *keys, out_rows, lse_rows, start, traits)
-        del grad_o, grad_out, out_rows, lse_rows
-        _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
-        dk[:, :, :stop] += dk_rows
-        dv[:, :, :stop] += dv_rows
-        del dk_rows, dv_rows
-        grads_qkv = [dq, *(g[:, :, start:stop].to(t.dtype) for g, t in ((dk, k), (dv, v)))]
-        grad_x[:, start:stop] += _project_backward(ctx, graph, grads_qkv, sums)
-        del graph
+        _chunk_backward(ctx, chunk, x, (k, v), (dk, dv), out, lse, grad_x, grad_y, grad_sides, sums, keep)
     return grad_x
+
+
+def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, grad_sides, sums, keep) -> None:
+    """Chunk ``chunk``'s part of :func:`_blocked_backward`: its rows of ``grad_x`` written (its queries' attention
+    over ``keys`` ``(k, v)`` recomputed if ``out`` is not kept), its keys' gradients added to ``key_grads``. Its
+    tensors die on return."""
+    traits = ctx.split.traits
+    start, stop = ctx.bounds[chunk]
+    x_rows = _rows(x, start, stop)
+    graph = _project_graph(ctx, chunk, x_rows, keep)
+    offloaded = chunk < ctx.alpha_chunks
+    q_rows = ctx.stash.rebuild(ctx.qkv_refs[chunk][0]) if offloaded else graph[1][0].detach()
+    prefix = tuple(t[:, :, :stop] for t in keys)
+    if ctx.keep_attention:
+        out_rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
+    else:
+        out_rows, lse_rows = block_forward(q_rows, *prefix, start, traits)
+        if ctx.alpha_chunks:
+            out[:, :, start:stop] = out_rows
+    grad_finish, grad_o = _finish_backward(
+        ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
+    )
+    grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
+    dq, dsinks = block_backward(grad_out, q_rows, *prefix, out_rows, lse_rows, start, traits, *key_grads)
+    del grad_o, grad_out, out_rows, lse_rows, q_rows
+    _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
+    grads_qkv = [dq, *(g[:, :, start:stop].to(t.dtype) for g, t in zip(key_grads, keys))]
+    del dq
+    grad_project = _project_backward(ctx, graph, grads_qkv, sums)
+    del graph, grads_qkv
+    torch.add(grad_finish, grad_project, out=grad_x[:, start:stop])
 
 
 def _whole_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:

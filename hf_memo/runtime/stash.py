@@ -43,13 +43,14 @@ class StashRef:
 
 
 class DeviceSlots:
-    """Two alternating flat device buffers, ``"<name> 0"`` and ``"<name> 1"``, one per stash being fetched.
+    """Two alternating sets of flat device buffers, ``"<name> <slot>"`` (and ``"<name> <slot>.<part>"``), one set per
+    stash being fetched.
 
-    A slot's buffer is made when a stash acquires it, as large as that stash, and given back when the stash's
-    backward is done (:meth:`release`): only the stash being differentiated and the one fetched ahead of it hold
-    device bytes. The buffers come from the memory plan's arena when there is one, else from PyTorch's allocator
-    (on CUDA, a new buffer's bytes are written on the copy stream only after the compute stream's work queued so
-    far, which includes every read of the memory's previous use).
+    A slot's buffers are made when a stash acquires it, as large as that stash's parts, and given back when the
+    stash's backward is done (:meth:`release`): only the stash being differentiated and the one fetched ahead of it
+    hold device bytes. The buffers come from the memory plan's arena when there is one, else from PyTorch's
+    allocator (on CUDA, a new buffer's bytes are written on the copy stream only after the compute stream's work
+    queued so far, which includes every read of the memory's previous use).
 
     A slot has at most one holder, the stash whose bytes it holds: handing the slot to another stash, or
     giving the buffers back, evicts the holder (:meth:`LayerStash.evict`), which fetches again when it
@@ -58,33 +59,41 @@ class DeviceSlots:
 
     def __init__(self, name: str, device: torch.device, engine: CopyEngine, arena: Arena | None = None) -> None:
         self.name, self.device, self.engine, self.arena = name, device, engine, arena
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._buffers: list[list[torch.Tensor]] = [[], []]
         self._holders: list[weakref.ref[LayerStash] | None] = [None, None]
 
-    def acquire(self, slot: int, nbytes: int, holder: LayerStash) -> torch.Tensor:
-        """A ``(>= nbytes,)`` uint8 buffer for ``slot``, held by ``holder`` from now on (the previous holder is
-        evicted)."""
+    def acquire(self, slot: int, sizes: list[int], holder: LayerStash) -> list[torch.Tensor]:
+        """``(sizes[i],)`` uint8 buffers for ``slot``, held by ``holder`` from now on (the previous holder is
+        evicted and its buffers given back)."""
         self._evict(slot, keep=holder)
-        self._holders[slot] = weakref.ref(holder)
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:
+        if self._holder(slot) is not holder or [b.numel() for b in self._buffers[slot]] != sizes:
             self._drop(slot)
-            name = f"{self.name} {slot}"
-            if self.arena is not None:
-                buffer = self.arena.take(name, (nbytes,), torch.uint8)
-            else:
-                buffer = mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), name)
-            self._buffers[slot] = buffer
-        return buffer
+            self._buffers[slot] = [self._new(self._buffer_name(slot, part), size) for part, size in enumerate(sizes)]
+        self._holders[slot] = weakref.ref(holder)
+        return self._buffers[slot]
+
+    def _buffer_name(self, slot: int, part: int) -> str:
+        return f"{self.name} {slot}" if part == 0 else f"{self.name} {slot}.{part}"
+
+    def _new(self, name: str, nbytes: int) -> torch.Tensor:
+        if self.arena is not None:
+            return self.arena.take(name, (nbytes,), torch.uint8)
+        return mark_owned(torch.empty(nbytes, dtype=torch.uint8, device=self.device), name)
+
+    @property
+    def buffers_outlive_release(self) -> bool:
+        """Whether a buffer's memory stays valid while a tensor references it after :meth:`release` (the allocator's
+        buffers; an arena's region goes to the next name that takes it)."""
+        return self.arena is None
 
     def release(self, slot: int, holder: LayerStash) -> None:
-        """``holder``'s backward is done with ``slot``: its buffer is given back (if ``holder`` still holds it)."""
+        """``holder``'s backward is done with ``slot``: its buffers are given back (if ``holder`` still holds it)."""
         if self._holder(slot) is holder:
             self._holders[slot] = None
             self._drop(slot)
 
     def release_all(self) -> None:
-        """Give both buffers back, evicting their holders."""
+        """Give both slots' buffers back, evicting their holders."""
         for slot in (0, 1):
             self._evict(slot)
             self._drop(slot)
@@ -97,16 +106,17 @@ class DeviceSlots:
         holder = self._holder(slot)
         if holder is not None and holder is not keep:
             holder.evict()
-        self._holders[slot] = None
+            self._holders[slot] = None
 
     def _drop(self, slot: int) -> None:
-        if self._buffers[slot] is not None and self.arena is not None:
-            self.arena.release(f"{self.name} {slot}")
-        self._buffers[slot] = None
+        if self.arena is not None:
+            for part in range(len(self._buffers[slot])):
+                self.arena.release(self._buffer_name(slot, part))
+        self._buffers[slot] = []
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers if b is not None)
+        return sum(b.numel() for buffers in self._buffers for b in buffers)
 
 
 class LayerStash:
@@ -141,7 +151,7 @@ class LayerStash:
         self._return_host = lambda: None  # gives the host buffer back to the pool, once
         self._stored: torch.cuda.Event | None = None  # the device-to-host copy
         self._fetched: torch.cuda.Event | None = None
-        self._slot_buffer: torch.Tensor | None = None
+        self._slot_buffers: list[torch.Tensor] | None = None  # the fetched parts (see _parts)
         self._freed = False
 
     def add(self, tensor: torch.Tensor) -> StashRef:
@@ -150,6 +160,7 @@ class LayerStash:
         if storage._cdata not in self._index_of:
             self._index_of[storage._cdata] = len(self._storages)
             # detached: a stashed tensor must not reference the graph whose saved-tensor hooks reference the stash
+            # (the view's base is that detached tensor: two tensors of the stash's on the storage, see ``owns``)
             whole = torch.as_strided(tensor.detach(), (storage.nbytes() // tensor.element_size(),), (1,), 0)
             self._storages.append(whole)
         return StashRef(
@@ -188,18 +199,26 @@ class LayerStash:
                 "the stashes the host has room for; MemoConfig.host_memory_limit sets the host's share"
             )
             return
-        for whole, view in zip(self._storages, self._views(self._host)):
+        for whole, view in zip(self._storages, self._views([self._host])):
             self._stored = self._engine.to_host(view, whole)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
         self._return_host = weakref.finalize(self, self._pool.release, self._host)
         self._storages = []
 
+    def _parts(self) -> list[tuple[int, int]]:
+        """Byte ranges of the device buffers a swapped stash is fetched into: its first storage (the layer input) in
+        a buffer of its own, so that memory can outlive the rest (see :meth:`owns`), and the other storages."""
+        first = _aligned(self._layout[0][1]) if self._layout else 0
+        return [(start, stop) for start, stop in ((0, first), (first, self.nbytes)) if stop > start]
+
     def prefetch(self) -> None:
         """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
-        if self.swapped and self._slot_buffer is None and self._host is not None:
-            buffer = self._prefetch.acquire(self.index % 2, self.nbytes, holder=self)
-            self._fetched = self._engine.to_device(buffer[: self.nbytes], self._host[: self.nbytes], self._stored)
-            self._slot_buffer = buffer
+        if self.swapped and self._slot_buffers is None and self._host is not None:
+            parts = self._parts()
+            buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
+            for buffer, (start, stop) in zip(buffers, parts):
+                self._fetched = self._engine.to_device(buffer, self._host[start:stop], self._stored)
+            self._slot_buffers = buffers
 
     @property
     def _capacity(self) -> int:
@@ -209,7 +228,7 @@ class LayerStash:
         """The prefetch slot holding this stash's bytes went to another stash (or back to the arena): a swapped
         stash fetches again from the host when it is next rebuilt."""
         if self.swapped:
-            self._storages, self._slot_buffer, self._fetched = [], None, None
+            self._storages, self._slot_buffers, self._fetched = [], None, None
 
     def rebuild(self, ref: StashRef) -> torch.Tensor:
         """The saved tensor ``ref`` describes, as a view of its storage on the device."""
@@ -221,7 +240,7 @@ class LayerStash:
         if not self._storages:  # swapped: wait for the prefetch (or fetch now if none was started)
             self.prefetch()
             self._engine.wait(self._fetched)
-            self._storages = self._views(self._slot_buffer)
+            self._storages = self._views(self._slot_buffers)
         base = self._storages[ref.index]
         return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
 
@@ -229,16 +248,55 @@ class LayerStash:
         """After the layer's backward: give the prefetch buffer back; unless ``keep`` (the backward retains the
         graph, ``retain_graph=True``), also drop the device copy and give the host buffer back to the pool.
         A kept swapped stash is fetched from the host again by the next backward."""
-        if self._slot_buffer is not None:
+        if self._slot_buffers is not None:
             self._prefetch.release(self.index % 2, self)
         if keep:
             self.evict()
             return
         self._return_host()
-        self._storages, self._host, self._slot_buffer, self._freed = [], None, None, True
+        self._storages, self._host, self._slot_buffers, self._freed = [], None, None, True
 
-    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        return [buffer[offset : offset + nbytes].view(dtype) for offset, nbytes, dtype in self._layout]
+    def owns(self, ref: StashRef, views: int = 1) -> bool:
+        """Whether the memory of ``ref``'s storage on the device is this stash's alone, apart from ``views`` tensors
+        the caller holds on it: no tensor outside references it, and it stays valid while a tensor does after
+        :meth:`release`. The executor may then write the layer's input gradient into its input's memory once it has
+        read it (and hand that memory on as the gradient), unless the graph is kept for another backward.
+
+        A fetched stash owns its first storage's buffer when it comes from PyTorch's allocator (not an arena); a
+        stash kept on the device owns a storage no other tensor is on (the layer's input after the caller let go of
+        it, e.g. without ``output_hidden_states``)."""
+        if self.swapped:
+            return ref.index == 0 and self._slot_buffers is not None and self._prefetch.buffers_outlive_release
+        if ref.index >= len(self._storages):
+            return False
+        whole = self._storages[ref.index]
+        return _tensors_on(whole) == 2 + views  # ``whole`` and its base
+
+    def _views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each storage's tensor in ``buffers``: consecutive parts of the stash's byte layout."""
+        starts, start = [], 0
+        for buffer in buffers:
+            starts.append(start)
+            start += buffer.numel()
+        views = []
+        for offset, nbytes, dtype in self._layout:
+            part = max(i for i, first in enumerate(starts) if first <= offset)
+            local = offset - starts[part]
+            views.append(buffers[part][local : local + nbytes].view(dtype))
+        return views
+
+
+def _storage_references(tensor: torch.Tensor) -> int:
+    storage = tensor.untyped_storage()  # held while its address is read
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+_ONE_TENSOR = _storage_references(torch.empty(1))  # what one tensor alone on its storage reads
+
+
+def _tensors_on(tensor: torch.Tensor) -> int:
+    """Tensors referencing ``tensor``'s storage (itself included; a view counts once, and its base once more)."""
+    return _storage_references(tensor) - _ONE_TENSOR + 1
 
 
 def _from_kept_only(tensor: torch.Tensor, kept: set[int], kept_sizes: set[int]) -> bool:
