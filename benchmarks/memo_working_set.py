@@ -12,7 +12,8 @@ event it counts the device bytes beyond
 in units ``U`` of one hidden state (``2 * hidden`` bytes per token). The worst moment is reported with the
 tensors alive then (the op that made each, its phase, its size in U). Two kernel targets: the CPU (what the runtime
 itself allocates) and an H100 with flash-attn (the CUDA kernels' workspace added, modelled by
-:mod:`hf_memo.profiler.kernel_workspace`); the CUDA kernels' extra workspace is the difference of the two.
+:mod:`hf_memo.profiler.kernel_workspace`): what the kernels add at the worst moment is the difference of the two,
+and the largest workspace the kernels hold at once, anywhere in the step, is reported beside it.
 
     python benchmarks/memo_working_set.py                      # 262,144 tokens, writes benchmarks/results/<date>-cpu/
     python benchmarks/memo_working_set.py --tiny --out /tmp/x  # seconds-long smoke run
@@ -63,7 +64,7 @@ def working_set(trace: AllocationTrace, stash: int, unit: int) -> dict:
         after_forward = [j for j, p in enumerate(phases) if p == f"layer {i} forward"]
         in_backward = [j for j, p in enumerate(phases) if p == f"layer {i} backward"]
         forward_done[i], backward_done[i] = after_forward[-1] + 1, in_backward[-1]
-    live, states, alive = 0, 0, {}
+    live, states, alive, workspace, most_workspace = 0, 0, {}, 0, 0
     worst = {"beyond": -1}
     for index, event in enumerate(trace.events):
         if event.location != "device":
@@ -75,7 +76,10 @@ def working_set(trace: AllocationTrace, stash: int, unit: int) -> dict:
         if event.op == "malloc":
             alive[event.tensor_id] = event
         else:
-            alive.pop(event.tensor_id, None)
+            event = alive.pop(event.tensor_id, event)
+        if " workspace " in (event.source or ""):  # what a CUDA kernel allocates inside its call (modelled)
+            workspace += sign * event.size
+            most_workspace = max(most_workspace, workspace)
         stashes = sum(stash for i in device_layers if forward_done[i] <= index <= backward_done[i])
         beyond = live - states - stashes
         if beyond > worst["beyond"]:
@@ -94,6 +98,7 @@ def working_set(trace: AllocationTrace, stash: int, unit: int) -> dict:
                 ],
             }
     worst["beyond_U"] = round(worst.pop("beyond") / unit, 3)
+    worst["kernel_workspace_U"] = round(most_workspace / unit, 3)
     return worst
 
 
@@ -131,14 +136,16 @@ def main() -> None:
         "",
         "U = one hidden state (2 x hidden bytes per token). Beyond the model states and the live device stashes.",
         "",
-        "| policy | CPU profile: worst | at | H100 (flash-attn workspace modelled): worst | at | kernels' extra |",
-        "|---|---|---|---|---|---|",
+        "| policy | CPU profile: worst | at | H100 (flash-attn workspace modelled): worst | at | kernels' extra at the "
+        "worst | largest kernel workspace |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         cpu, cuda = row["cpu"], row["cuda"]
         extra = round(cuda["beyond_U"] - cpu["beyond_U"], 3)
         lines.append(
-            f"| {name} | {cpu['beyond_U']} U | {cpu['phase']} | {cuda['beyond_U']} U | {cuda['phase']} | {extra} U |"
+            f"| {name} | {cpu['beyond_U']} U | {cpu['phase']} | {cuda['beyond_U']} U | {cuda['phase']} | {extra} U "
+            f"| {cuda['kernel_workspace_U']} U |"
         )
     for name, row in rows.items():
         for kernels, worst in row.items():

@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import dataclasses
 import gc
 import math
 import re
@@ -295,7 +296,13 @@ def test_steps_of_nearby_lengths_reuse_the_host_buffers_and_stay_exact(monkeypat
     assert reserved[1] > reserved[0] and reserved[1] == reserved[2] == reserved[3] == reserved[4]
 
 
-def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_on_cpu():
+def test_a_device_memory_limit_hands_the_policy_to_the_solver_and_auto_has_none_on_cpu(monkeypatch):
+    timed = memo_module.time_layer_forward
+
+    def steady(*args, **kwargs):  # attention's timed share pinned: what the solver trades is bytes, not noise
+        return dataclasses.replace(timed(*args, **kwargs), seconds=1.0, attention_seconds=0.1)
+
+    monkeypatch.setattr(memo_module, "time_layer_forward", steady)
     split, x = _split_and_input()
     kept = layer_bytes_per_token(split, x)
     tokens = x.shape[0] * x.shape[1]
