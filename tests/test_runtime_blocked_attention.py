@@ -11,7 +11,7 @@ from hf_memo.profiler.kernel_workspace import KernelTarget, workspace_hook
 from hf_memo.runtime import attention_core, blocked_attention, flash_attn_package
 from hf_memo.runtime.attention_core import attention_backward, attention_forward
 from hf_memo.runtime.attention_traits import AttentionTraits
-from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable
+from hf_memo.runtime.blocked_attention import QueryBlockAttention, block_backward, block_forward, blockable
 from hf_memo.runtime.explicit_attention import explicit_backward, explicit_forward
 
 SEQ = 29
@@ -182,3 +182,30 @@ def test_a_fake_profile_for_a_cuda_target_records_one_groups_expanded_dk_dv(targ
     expanded = sorted(e.size for e in recorder.trace().events if e.source and e.source.endswith("dk_expanded"))
     group = heads // kv_heads
     assert expanded == sorted([rows * group * dim * 2] * kv_heads + [start * group * dim * 2] * kv_heads)
+
+
+@pytest.mark.parametrize("blocks", [1, 3, 8, 100])
+@pytest.mark.parametrize("case", ["plain", "mqa", "batch", "softcap_sinks"])
+def test_the_query_block_core_equals_the_local_core_on_the_whole_sequence(case, blocks):
+    batch, heads, kv_heads, extra = CASES[case]
+    q, k, v, upstream = _inputs(batch, heads, kv_heads, bshd=True)
+    traits = AttentionTraits(0.4, **extra)
+    core = QueryBlockAttention(blocks)
+    out, stats = core.forward(q, k, v, traits)
+    want_out, want_stats = attention_forward(q, k, v, traits)
+    assert out.transpose(1, 2).is_contiguous()  # rows of (B, S, h, D) memory, as the executor keeps them
+    _assert_close((out, stats.lse), (want_out, want_stats.lse), 1e-12)
+    got = core.backward(upstream, q, k, v, out, stats, traits)
+    _assert_close(got, attention_backward(upstream, q, k, v, want_out, want_stats, traits), 1e-12)
+
+
+def test_the_query_block_core_runs_attention_whole_where_it_may_not_block():
+    q, k, v, upstream = _inputs(1, 4, 2)
+    traits = AttentionTraits(0.4, dropout_p=0.3)
+    torch.manual_seed(5)
+    out, stats = QueryBlockAttention(4).forward(q, k, v, traits)
+    torch.manual_seed(5)
+    want_out, want_stats = attention_forward(q, k, v, traits)  # the same mask: one call, as the local core
+    assert torch.equal(out, want_out)
+    got = QueryBlockAttention(4).backward(upstream, q, k, v, out, stats, traits)
+    _assert_close(got, attention_backward(upstream, q, k, v, want_out, want_stats, traits), 0)

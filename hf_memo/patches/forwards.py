@@ -39,7 +39,9 @@ from hf_memo.patches.router_logits import (
     wants_router_logits,
 )
 from hf_memo.patches.structure import Structure
+from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
+from hf_memo.runtime.blocked_attention import QueryBlockAttention
 from hf_memo.runtime.executor import MemoLayerFunction
 from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
@@ -297,8 +299,9 @@ def memo_layer_forward(
     )
     bounds = chunk_bounds(hidden.shape[1], chunks)
     core = attention_core_for(layout)
-    if sequence_parallel is not None:
-        core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, core)
+    if sequence_parallel is not None:  # the exchanged whole sequence attended in query blocks where it may be
+        inner = QueryBlockAttention() if isinstance(core, LocalAttention) else core
+        core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, inner)
     with outputs_not_recorded():  # calibration runs the layer on prefixes: transformers records none of it
         alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
     return RouterLogitsSplit.recorded(

@@ -215,3 +215,69 @@ def _part_backward_into(
     dk += part_dk
     del part_dk
     dv += part_dv
+
+
+QUERY_BLOCKS = 8  # blocks a whole sequence's queries are cut into by QueryBlockAttention
+
+
+class QueryBlockAttention:
+    """The attention core on a whole sequence (the protocol of
+    :class:`~hf_memo.runtime.attention_core.LocalAttention`), computed ``blocks`` blocks of queries at a time where
+    :func:`blockable`: the kernels' workspace is one block's, and dK/dV are summed over the blocks in fp32 for half
+    inputs. Elsewhere (dropout, a window hiding keys) the whole sequence in one call, as ``LocalAttention``.
+
+    The memo executor runs its own blocks, one per chunk, for a local core; this core serves where attention runs
+    on other rows than the executor's chunks: after a sequence-parallel exchange (each rank's heads of the whole
+    sequence).
+    """
+
+    def __init__(self, blocks: int = QUERY_BLOCKS) -> None:
+        self.blocks = blocks
+
+    def _bounds(self, length: int) -> list[tuple[int, int]]:
+        count = max(1, min(self.blocks, length))
+        return [(i * length // count, (i + 1) * length // count) for i in range(count)]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
+    ) -> tuple[torch.Tensor, AttentionStats]:
+        """Output ``(B, h, S, D)`` (a view of ``(B, S, h, D)`` memory) and its statistics, from ``q`` ``(B, h, S, D)``
+        and ``k, v`` ``(B, h_kv, S, D)``."""
+        if not blockable(q, traits):
+            return attention_forward(q, k, v, traits)
+        batch, heads, length, _ = q.shape
+        out = lse = None
+        for start, stop in self._bounds(length):
+            rows, rows_lse = block_forward(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start, traits)
+            if out is None:
+                out = rows.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
+                lse = rows_lse.new_empty(batch, heads, length)
+            out[:, :, start:stop], lse[:, :, start:stop] = rows, rows_lse
+        return out, AttentionStats(lse)
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        stats: AttentionStats,
+        traits: AttentionTraits,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(dq, dk, dv, dsinks)`` as :func:`~hf_memo.runtime.attention_core.attention_backward` gives them."""
+        if not blockable(q, traits):
+            return attention_backward(grad_out, q, k, v, out, stats, traits)
+        wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+        dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (k, v))
+        dq = torch.empty_like(q)
+        dsinks = None
+        for start, stop in reversed(self._bounds(q.shape[2])):
+            rows = slice(start, stop)
+            dq[:, :, rows], block_dsinks = block_backward(
+                grad_out[:, :, rows], q[:, :, rows], k[:, :, :stop], v[:, :, :stop], out[:, :, rows],
+                stats.lse[:, :, rows], start, traits, dk, dv,
+            )  # fmt: skip
+            if block_dsinks is not None:
+                dsinks = block_dsinks if dsinks is None else dsinks + block_dsinks
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dsinks
