@@ -12,7 +12,7 @@ from hf_memo.planner.solution import check_placement
 from tests.test_profiler_step import CONFIGS
 
 LAYERS = 5  # memo keeps two layers on the device and fetches through two buffers: 5 layers have every kind
-BUFFERS = {"prefetch 0", "prefetch 1"}
+BUFFERS = {"prefetch 0", "prefetch 0.1", "prefetch 1", "prefetch 1.1"}  # per slot: the layer input, the rest
 
 
 @pytest.fixture(scope="module")

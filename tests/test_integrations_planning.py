@@ -14,7 +14,7 @@ from hf_memo.runtime.calibration import LayerForward
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
 
-BUFFERS = {"prefetch 0", "prefetch 1"}
+BUFFERS = {"prefetch 0", "prefetch 0.1", "prefetch 1", "prefetch 1.1"}  # per slot: the layer input, the rest
 
 
 def _memo_model(**overrides):

@@ -149,7 +149,17 @@ def _workspace_ids(trace, marker=" workspace "):
     return {e.tensor_id for e in trace.events if e.op == "malloc" and e.source and marker in e.source}
 
 
-@pytest.mark.parametrize("mode", ["sdpa", "memo"])
+def test_memo_s_cuda_profile_is_its_cpu_profile_plus_the_kernels_workspace_where_the_calls_are_the_same():
+    """Without grouped-query attention memo's backward makes the same kernel calls for both targets (on a CUDA
+    target a GQA backward runs once per KV head, see tests/test_runtime_blocked_attention.py)."""
+    config = LlamaConfig(**{**CONFIG.to_dict(), "num_key_value_heads": CONFIG.num_attention_heads})
+    cpu, cuda = _trace("memo", "cpu", config=config), _trace("memo", "cuda", config=config)
+    workspace_ids = _workspace_ids(cuda)
+    assert workspace_ids
+    assert _renumbered(cpu.events) == _renumbered([e for e in cuda.events if e.tensor_id not in workspace_ids])
+
+
+@pytest.mark.parametrize("mode", ["sdpa"])
 def test_the_cuda_profile_is_the_cpu_profile_plus_each_attention_backwards_workspace(mode):
     cpu, cuda = _trace(mode, "cpu"), _trace(mode, "cuda")
     workspace_ids = _workspace_ids(cuda)
