@@ -28,10 +28,15 @@ from hf_memo.runtime.arena import ArenaWarning
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.model_catalog import CATALOG, build_catalog_model
 from tests.multiprocess import run_processes
+from tests.test_parallel_ulysses import assert_exact, exchange_results
 from tests.test_patches_structure import assert_grads_within_fp32_rounding
 
 CHUNKS = dict(mlp_chunks=2, lm_head_chunks=3)
 MEMO = dict(recompute="memo", offload_fraction=0.5)  # 4 layers: the first two are swapped to the host
+THREE_HEADS = dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)  # uneven at sp=2
+# 10 query heads in 2 groups of 5: at sp=3 ranks attend with 4, 3, 3 query heads and rank 1 with both KV heads
+TEN_HEADS = dict(hidden_size=40, num_attention_heads=10, num_key_value_heads=2)
+SIX_HEADS = dict(hidden_size=24, num_attention_heads=6, num_key_value_heads=2)  # at sp=4: 2, 2, 1, 1; a group straddles
 
 
 @dataclass
@@ -116,6 +121,8 @@ def two_rank_cases() -> dict[str, Case]:
             "llama", *make_batch(2, 15), overrides={"num_key_value_heads": 1, "num_hidden_layers": 4}, memo=MEMO
         ),
         "memo executor, gpt2": Case("gpt2", *make_batch(2, 16), overrides={"n_layer": 4}, memo=MEMO),
+        "3 heads at sp=2 (2 and 1 per rank), S padded": _batch_case("llama", 2, 13, **THREE_HEADS),
+        "3 heads at sp=2, memo executor, packed": _packed_case("llama", [(4, 7, 3), (9, 5)], memo=MEMO, **THREE_HEADS),
         "packed, borders on and inside shards": _packed_case("llama", [(5, 3, 6, 2), (1, 9, 6)]),
         "packed, S padded, gpt2": _packed_case("gpt2", [(4, 7, 4)]),
         "left padding": _left_padded_case(),
@@ -182,6 +189,30 @@ def four_rank_cases() -> dict[str, Case]:
         "sp=4, packed, S padded": _packed_case("mistral", [(5, 6, 7), (2, 3, 13)]),
         "sp=4, memo executor, packed": _packed_case("llama", [(3, 5, 2, 6)], memo=MEMO, num_hidden_layers=4),
         "sp=4, memo executor, qwen3": Case("qwen3", *make_batch(2, 16), overrides={"num_hidden_layers": 4}, memo=MEMO),
+        "sp=4, 6 heads in 2 groups (uneven, a group straddles ranks), S padded": _batch_case(
+            "llama", 2, 14, **SIX_HEADS
+        ),
+        "sp=4, 6 heads, memo executor, packed": _packed_case(
+            "qwen2", [(3, 9, 4), (7, 9)], memo=MEMO, num_hidden_layers=4, **SIX_HEADS
+        ),
+    }
+
+
+def three_rank_cases() -> dict[str, Case]:
+    """sp=3 on 10 query heads in 2 groups of 5, every mode, padded and packed batches, and under DDP."""
+    return {
+        "sp=3, no recompute, S padded": _batch_case("llama", 2, 13, **TEN_HEADS),
+        "sp=3, full recompute, left padding": _left_padded_case(memo={"recompute": "full"}, **TEN_HEADS),
+        "sp=3, selective recompute, packed": _packed_case(
+            "llama", [(5, 6, 4), (8, 7)], memo={"recompute": "selective"}, **TEN_HEADS
+        ),
+        "sp=3, memo executor offload 0, packed, qwen2": _packed_case(
+            "qwen2", [(2, 9, 4), (11, 4)], memo={"recompute": "memo", "offload_fraction": 0.0}, **TEN_HEADS
+        ),
+        "sp=3, memo executor offload 1, left padding": _left_padded_case(
+            memo={"recompute": "memo", "offload_fraction": 1.0}, **TEN_HEADS
+        ),
+        "sp=3, wrapped in DDP": Case("llama", *make_batch(2, 12), overrides=TEN_HEADS, ddp=True),
     }
 
 
@@ -240,14 +271,14 @@ def _two_rank_worker(rank, world):
         own_ids, own_labels = make_batch(1, 8, seed=rank)
         hf_memo.apply(build_model("llama"), sequence_parallel_size=2)(input_ids=own_ids, labels=own_labels)
 
-    three_heads = dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)
+    one_head = dict(num_attention_heads=1, num_key_value_heads=1)
     routed = build_catalog_model("qwen3_moe")  # output_router_logits on
     results["errors"] = {
         "router aux loss": _expect_error(
             lambda: hf_memo.apply(routed, sequence_parallel_size=2)(input_ids=ids, labels=labels)
         ),
         "world size": _expect_error(lambda: hf_memo.apply(build_model("llama"), sequence_parallel_size=4)),
-        "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **three_heads), sequence_parallel_size=2)),
+        "heads": _expect_error(lambda: hf_memo.apply(build_model("llama", **one_head), sequence_parallel_size=2)),
         "flex attention": _expect_error(
             lambda: hf_memo.apply(build_model("llama", attn_implementation="flex_attention"), sequence_parallel_size=2)
         ),
@@ -267,6 +298,12 @@ def _four_rank_worker(rank, world):
     return results
 
 
+def _three_rank_worker(rank, world):
+    results = {name: _sp_step(case, 3) for name, case in three_rank_cases().items()}
+    results["exchange"] = exchange_results((3,))
+    return results
+
+
 def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
     model = _build(case)
     kwargs = dict(case.kwargs)
@@ -277,29 +314,30 @@ def _reference(case: Case) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, out.loss.detach()
 
 
-def _compare(got: dict, want_loss: torch.Tensor, want_grads: dict, case: Case) -> None:
-    """Loss and gradients as the unpatched model's (a catalog model's to fp32 rounding where it computes in fp32
-    inside: ``CatalogModel.fp32_rounded``)."""
+def _compare(got: dict, want_loss: torch.Tensor, want_grads: dict, case: Case, rounded: bool = False) -> None:
+    """Loss and gradients as the unpatched model's (to fp32 rounding where ``rounded``, or for a catalog model that
+    computes in fp32 inside: ``CatalogModel.fp32_rounded``)."""
     assert torch.isfinite(got["loss"]), f"loss is {got['loss']}"
     torch.testing.assert_close(got["loss"], want_loss, rtol=1e-6, atol=0)
     model, reference = _build(case), _build(case)
     for (param_name, param), ref in zip(model.named_parameters(), reference.parameters()):
         param.grad, ref.grad = got["grads"][param_name], want_grads[param_name]
-    if case.catalog and CATALOG[case.family].fp32_rounded(case.memo.get("recompute", "none")):
+    if rounded or (case.catalog and CATALOG[case.family].fp32_rounded(case.memo.get("recompute", "none"))):
         assert_grads_within_fp32_rounding(model, reference)
     else:
         assert_same_grads(model, reference)
 
 
-def _failures(per_rank: list[dict], cases: dict[str, Case]) -> list[str]:
-    """Every (case, rank) whose loss or gradients differ from the unpatched model's, with the reason."""
+def _failures(per_rank: list[dict], cases: dict[str, Case], rounded: bool = False) -> list[str]:
+    """Every (case, rank) whose loss or gradients differ from the unpatched model's, with the reason (``rounded``:
+    gradients to fp32 rounding)."""
     failures = []
     for name, case in cases.items():
         reference, loss = _reference(case)
         grads = {n: p.grad for n, p in reference.named_parameters()}
         for rank, results in enumerate(per_rank):
             try:
-                _compare(results[name], loss, grads, case)
+                _compare(results[name], loss, grads, case, rounded)
             except AssertionError as error:
                 failures.append(f"{name}, rank {rank}: {error}")
     return failures
@@ -316,7 +354,8 @@ def test_two_ranks_match_single_process_and_refuse_bad_input_on_every_rank():
     expected_errors = {
         "router aux loss": "does not compute the router aux loss under sequence parallelism",
         "world size": "MemoConfig.sequence_parallel_size=4 must divide the world size 2",
-        "heads": "MemoConfig.sequence_parallel_size=2 must divide the model's num_attention_heads=3",
+        "heads": "sequence_parallel_size=2 exceeds the model's num_attention_heads=1 (Ulysses gives every rank at "
+        "least one query head); the largest degree for this model is 1",
         "flex attention": "attn_implementation to be one of sdpa, flash_attention_2",
         "different batches": "ranks of a sequence-parallel group must get the same batch",
         "training without labels": "a training forward must compute the loss",
@@ -351,6 +390,20 @@ def test_four_ranks_match_single_process_and_replicas_average_under_ddp():
     assert not failures, "\n".join(failures)
 
 
+def test_three_ranks_split_ten_heads_unevenly_and_match_single_process_in_every_mode():
+    """4, 3 and 3 query heads per rank; the group of KV head 0 straddles ranks 0 and 1, that of KV head 1 ranks 1
+    and 2, so KV heads are repeated to one per query head after the exchange. The exchanges themselves and the
+    attention cores at sp=3 as well (``tests/test_parallel_ulysses.py``, exact in fp64).
+
+    Gradients to fp32 rounding: the loss is an fp32 cross-entropy (as transformers') and every rank back-propagates
+    the group's sum, so its backward runs on ``3 x`` the gradient in fp32 before the data-parallel average divides
+    by 3 (exact for 2 and 4 ranks only)."""
+    per_rank = run_processes(_three_rank_worker, 3)
+    assert_exact([results.pop("exchange") for results in per_rank], (3,))
+    failures = _failures(per_rank, three_rank_cases(), rounded=True)
+    assert not failures, "\n".join(failures)
+
+
 def test_without_a_process_group_training_fails_before_the_step():
     model = hf_memo.apply(build_model("llama"), sequence_parallel_size=2)
     ids, labels = make_batch(1, 8)
@@ -364,8 +417,8 @@ def test_apply_checks_heads_and_attention_without_a_process_group():
         hidden_size=24, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=1, vocab_size=11
     )
     model = LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match="accepted for this model: 1, 3"):
-        hf_memo.apply(model, sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="the largest degree for this model is 3"):
+        hf_memo.apply(model, sequence_parallel_size=4)
     assert hf_memo.applied_config(model) is None and model.config._attn_implementation == "sdpa"
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from hf_memo.parallel.groups import check_head_counts, check_not_accelerate_deepspeed_sp, sequence_parallel_groups
+from hf_memo.parallel.groups import check_not_accelerate_deepspeed_sp, sequence_parallel_groups
+from hf_memo.parallel.heads import HeadSplit, check_head_counts
 
 
 def test_without_a_process_group_the_error_says_how_to_launch():
@@ -26,22 +27,38 @@ def test_a_world_size_that_is_not_a_multiple_of_the_degree_is_refused(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("size,heads,kv_heads", [(1, 4, 2), (2, 4, 2), (4, 4, 2), (4, 8, 8), (8, 32, 8), (4, 4, 1)])
-def test_degrees_that_fit_the_heads_are_accepted(size, heads, kv_heads):
+@pytest.mark.parametrize(
+    "size,heads,kv_heads", [(1, 4, 2), (3, 4, 2), (4, 4, 1), (2, 3, 3), (8, 28, 4), (16, 40, 40), (32, 32, 8)]
+)
+def test_any_degree_up_to_the_query_heads_is_accepted(size, heads, kv_heads):
     check_head_counts(size, heads, kv_heads)
 
 
-@pytest.mark.parametrize(
-    "size,heads,kv_heads,accepted",
-    [(3, 4, 2, "1, 2, 4"), (8, 4, 4, "1, 2, 4"), (4, 12, 6, "1, 2, 3, 6, 12"), (3, 6, 2, "1, 2, 6")],
-)
-def test_degrees_that_do_not_fit_the_heads_name_what_would(size, heads, kv_heads, accepted):
+@pytest.mark.parametrize("size,heads,kv_heads", [(5, 4, 2), (8, 4, 4), (4, 3, 3)])
+def test_a_degree_beyond_the_query_heads_names_the_largest_one(size, heads, kv_heads):
     with pytest.raises(ValueError) as excinfo:
         check_head_counts(size, heads, kv_heads)
     message = str(excinfo.value)
-    assert f"sequence_parallel_size={size}" in message
-    assert f"num_attention_heads={heads}" in message and f"num_key_value_heads={kv_heads}" in message
-    assert message.endswith(f"accepted for this model: {accepted}")
+    assert f"sequence_parallel_size={size} exceeds the model's num_attention_heads={heads}" in message
+    assert message.endswith(f"the largest degree for this model is {heads}")
+
+
+def test_query_heads_split_in_contiguous_ranges_of_the_ceiling_then_the_floor():
+    split = HeadSplit(28, 4, 8)  # Qwen2.5-7B on 8 GPUs: 4 or 3 query heads each, groups of 7 straddle ranks
+    assert [len(r) for r in split.queries] == [4] * 4 + [3] * 4
+    assert [(r.start, r.stop) for r in split.queries][:2] == [(0, 4), (4, 8)]
+    assert [list(r) for r in split.kvs] == [[0], [0, 1], [1], [1, 2], [2], [2, 3], [3], [3]]
+    assert split.queries_per_kv(1) == (3, 1) and not split.grouped  # KV heads repeated to one per query head
+    assert split.kv_repeats(1) == (3, 1) and split.attended_kv_heads(0) == 4
+    assert split.most_query_heads == 4 and split.imbalance == pytest.approx(32 / 28)
+    three = HeadSplit(3, 3, 2)
+    assert three.queries == (range(0, 2), range(2, 3)) and three.grouped and three.imbalance == pytest.approx(4 / 3)
+    # degrees that divide the heads keep grouped-query attention: each rank attends with the KV heads it receives
+    for heads, kv_heads, size, attended in [(32, 8, 8, 1), (32, 8, 4, 2), (8, 2, 4, 1), (8, 1, 8, 1)]:
+        split = HeadSplit(heads, kv_heads, size)
+        assert split.grouped and split.imbalance == 1 and split.attended_kv_heads(0) == attended
+    # each rank's heads use their KV heads evenly, but rank 1 receives two KV heads and rank 0 one: repeated
+    assert not HeadSplit(6, 2, 4).grouped and HeadSplit(6, 2, 4).attended_kv_heads(0) == 2
 
 
 def test_deepspeed_sequence_parallelism_configured_by_accelerate_launch_is_refused(monkeypatch):

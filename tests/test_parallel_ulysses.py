@@ -1,5 +1,6 @@
-"""Ulysses head/sequence exchange: layout, round trip, GQA replication, autograd, and an attention core run
-as an explicit forward/backward pair (as a layer executor calls it) against plain full-sequence attention."""
+"""Ulysses head/sequence exchange at any degree: layout, round trip, KV heads repeated after the exchange, autograd,
+and an attention core run as an explicit forward/backward pair (as a layer executor calls it) against plain
+full-sequence attention, for head counts the degree divides and for uneven splits (GQA groups straddling ranks)."""
 
 from types import SimpleNamespace
 
@@ -13,14 +14,15 @@ from transformers.masking_utils import eager_mask, sliding_window_causal_mask_fu
 
 from hf_memo.parallel.attention import ulysses_attention
 from hf_memo.parallel.groups import sequence_parallel_groups
+from hf_memo.parallel.heads import HeadSplit
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.ulysses import (
     gather_heads_scatter_sequence,
-    replicate_kv_heads,
-    replicated_kv_heads,
+    gather_heads_scatter_sequence_differentiable,
+    repeat_kv_heads,
     scatter_heads_gather_sequence,
     scatter_heads_gather_sequence_differentiable,
-    sum_replicated_kv_heads,
+    sum_repeated_kv_heads,
 )
 from hf_memo.runtime.attention_core import attention_backward, attention_forward
 from hf_memo.runtime.attention_traits import AttentionTraits
@@ -29,17 +31,20 @@ from tests.multiprocess import run_processes
 BATCH, HEADS, SEQ, DIM = 2, 8, 12, 4
 
 
-@pytest.mark.parametrize("kv_heads,sp", [(2, 4), (1, 4), (2, 8), (4, 4), (8, 2)])
-def test_kv_replication_and_its_gradient(kv_heads, sp):
-    x = torch.randn(BATCH, kv_heads, 5, DIM, dtype=torch.float64, requires_grad=True)
-    replicated = replicate_kv_heads(x, sp)
-    assert replicated.shape[1] == replicated_kv_heads(kv_heads, sp) == max(kv_heads, sp)
-    copies = replicated.shape[1] // kv_heads
-    for head in range(replicated.shape[1]):
-        torch.testing.assert_close(replicated[:, head], x[:, head // copies])
-    grad = torch.randn_like(replicated)
-    replicated.backward(grad)
-    torch.testing.assert_close(sum_replicated_kv_heads(grad, kv_heads), x.grad)
+@pytest.mark.parametrize("heads,kv_heads,sp", [(6, 2, 4), (10, 2, 3), (28, 4, 8), (8, 2, 4)])
+def test_repeated_kv_heads_are_the_ones_each_query_head_uses_and_their_gradient_sums_the_copies(heads, kv_heads, sp):
+    split = HeadSplit(heads, kv_heads, sp)
+    for rank in range(sp):
+        received = split.kv(rank)
+        x = torch.randn(BATCH, len(received), 5, DIM, dtype=torch.float64, requires_grad=True)
+        repeated = repeat_kv_heads(x, split, rank)
+        assert repeated.shape[1] == split.attended_kv_heads(rank)
+        if split.kv_repeats(rank) is not None:  # one KV head per query head: query head q uses KV head q // group
+            for i, head in enumerate(split.query(rank)):
+                torch.testing.assert_close(repeated[:, i], x[:, head // (heads // kv_heads) - received.start])
+        grad = torch.randn_like(repeated)
+        repeated.backward(grad)
+        torch.testing.assert_close(sum_repeated_kv_heads(grad, split, rank), x.grad)
 
 
 def _full(shape, seed):
@@ -51,9 +56,8 @@ def _seq_shard(x, rank, sp):
     return x[:, :, rank * step : (rank + 1) * step]
 
 
-def _head_shard(x, rank, sp):
-    step = x.shape[1] // sp
-    return x[:, rank * step : (rank + 1) * step]
+def _heads(x, heads: range):
+    return x[:, heads.start : heads.stop]
 
 
 def _attention_core_pair(q, k, v, grad_out):
@@ -67,67 +71,91 @@ def _attention_core_pair(q, k, v, grad_out):
     return out, dq, dk.unflatten(1, (k.shape[1], groups)).sum(2), dv.unflatten(1, (k.shape[1], groups)).sum(2)
 
 
-def _exchange_worker(rank, world):
+# (query heads, KV heads): degrees that divide them, and uneven splits where GQA groups straddle ranks
+HEAD_SHAPES = [(8, 1), (8, 2), (8, 4), (8, 8), (6, 2), (5, 5), (10, 2)]
+TRAIT_SHAPES = [(8, 2), (6, 2)]  # heads of the window/soft-cap/sinks checks
+
+
+def _exchange_checks(groups, sp, heads, kv_heads, seed):
+    """Layout, round trip and gradient of both exchanges (query heads a partition, KV heads overlapping ranges),
+    then the exchange around an explicit attention core pair against the core on the whole sequence."""
+    split, rank, group = HeadSplit(heads, kv_heads, sp), groups.sp_rank, groups.group
+    errors = {}
+    for name, ranges, count in (("q", split.queries, heads), ("kv", split.kvs, kv_heads)):
+        full, weights = _full((BATCH, count, SEQ, DIM), seed), _full((BATCH, count, SEQ, DIM), seed + 1)
+        mine = _seq_shard(full, rank, sp)
+        scattered = scatter_heads_gather_sequence(mine, ranges, group)
+        holders = torch.tensor([sum(h in r for r in ranges) for h in range(count)], dtype=full.dtype)[:, None, None]
+        leaf = mine.clone().requires_grad_()
+        exchanged = scatter_heads_gather_sequence_differentiable(leaf, ranges, group)
+        (exchanged * _heads(weights, ranges[rank])).sum().backward()
+        errors[f"{name}-layout"] = _max_error(scattered, _heads(full, ranges[rank]))
+        errors[f"{name}-round-trip"] = _max_error(
+            gather_heads_scatter_sequence(scattered, ranges, count, group), mine * holders
+        )
+        errors[f"{name}-differentiable"] = _max_error(exchanged, scattered)
+        errors[f"{name}-gradient"] = _max_error(leaf.grad, _seq_shard(weights, rank, sp) * holders)
+    # the attention output's layout (B, S, h_r, D) -> (B, S / sp, h, D), differentiable
+    out_full = _full((BATCH, SEQ, heads, DIM), seed + 2)
+    out_mine = out_full[:, :, split.query(rank).start : split.query(rank).stop].clone().requires_grad_()
+    back = gather_heads_scatter_sequence_differentiable(out_mine, split.queries, heads, group, 2, 1)
+    shard = slice(rank * SEQ // sp, (rank + 1) * SEQ // sp)
+    (back * out_full[:, shard]).sum().backward()
+    errors["out-layout"] = _max_error(back, out_full[:, shard])
+    errors["out-gradient"] = _max_error(out_mine.grad, out_mine.detach())
+
+    q, grad_out = _full((BATCH, heads, SEQ, DIM), seed + 3), _full((BATCH, heads, SEQ, DIM), seed + 4)
+    k, v = (_full((BATCH, kv_heads, SEQ, DIM), seed + s) for s in (5, 6))
+    wants = _attention_core_pair(q, k, v, grad_out)
+    # this rank's tokens in, exchange, core forward, exchange back; then the same for backward
+    local = [_seq_shard(t, rank, sp) for t in (q, k, v, grad_out)]
+    lq, lgrad = (scatter_heads_gather_sequence(t, split.queries, group) for t in (local[0], local[3]))
+    lk, lv = (repeat_kv_heads(scatter_heads_gather_sequence(t, split.kvs, group), split, rank) for t in local[1:3])
+    out, dq, dk, dv = _attention_core_pair(lq, lk, lv, lgrad)
+    out, dq = (gather_heads_scatter_sequence(t, split.queries, heads, group) for t in (out, dq))
+    dk, dv = (
+        gather_heads_scatter_sequence(sum_repeated_kv_heads(g, split, rank), split.kvs, kv_heads, group)
+        for g in (dk, dv)
+    )
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), wants):
+        errors[name] = _max_error(got, _seq_shard(want, rank, sp))
+    errors["core_vs_sdpa"] = _max_error(
+        wants[0], F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
+    return errors
+
+
+def exchange_results(degrees) -> dict:
+    """Every check of this file on this rank, for each sequence-parallel degree of ``degrees``."""
     results = {}
-    for sp in (world, 2):
+    for sp in degrees:
         groups = sequence_parallel_groups(sp)
         seed = 10 * sp + groups.dp_rank  # every replica has its own data: groups must not mix them
-        full = _full((BATCH, HEADS, SEQ, DIM), seed)
-        mine = _seq_shard(full, groups.sp_rank, sp)
-        scattered = scatter_heads_gather_sequence(mine, groups.group)
-        back = gather_heads_scatter_sequence(scattered, groups.group)
-        weights = _full((BATCH, HEADS, SEQ, DIM), seed + 1)
-        leaf = mine.clone().requires_grad_()
-        exchanged = scatter_heads_gather_sequence_differentiable(leaf, groups.group)
-        (exchanged * _head_shard(weights, groups.sp_rank, sp)).sum().backward()
-        results[f"sp{sp}"] = {
-            "layout_error": (scattered - _head_shard(full, groups.sp_rank, sp)).abs().max().item(),
-            "round_trip_error": (back - mine).abs().max().item(),
-            "differentiable_forward_error": (exchanged - scattered).abs().max().item(),
-            "gradient_error": (leaf.grad - _seq_shard(weights, groups.sp_rank, sp)).abs().max().item(),
-        }
-        for kv_heads in (1, 2, 4, 8):
-            if not (kv_heads % sp == 0 or sp % kv_heads == 0):
-                continue
-            q, k, v = (
-                _full((BATCH, HEADS, SEQ, DIM), seed + 2),
-                *(_full((BATCH, kv_heads, SEQ, DIM), seed + s) for s in (3, 4)),
+        for heads, kv_heads in HEAD_SHAPES:
+            if heads >= sp:
+                results[f"sp{sp}-h{heads}-kv{kv_heads}"] = _exchange_checks(groups, sp, heads, kv_heads, seed)
+        for heads, kv_heads in TRAIT_SHAPES:
+            results[f"sp{sp}-h{heads}-memo-traits"] = _memo_core_with_traits(groups, sp, heads, kv_heads, seed)
+            results[f"sp{sp}-h{heads}-autograd-traits"] = _autograd_attention_with_traits(
+                groups, sp, heads, kv_heads, seed
             )
-            grad_out = _full((BATCH, HEADS, SEQ, DIM), seed + 5)
-            want_out, want_dq, want_dk, want_dv = _attention_core_pair(q, k, v, grad_out)
-            # this rank's tokens in, exchange, core forward, exchange back; then the same for backward
-            local = [_seq_shard(t, groups.sp_rank, sp) for t in (q, k, v)]
-            lq = scatter_heads_gather_sequence(local[0], groups.group)
-            lk, lv = (scatter_heads_gather_sequence(replicate_kv_heads(t, sp), groups.group) for t in local[1:])
-            grad_heads = scatter_heads_gather_sequence(_seq_shard(grad_out, groups.sp_rank, sp), groups.group)
-            out, dq, dk, dv = _attention_core_pair(lq, lk, lv, grad_heads)
-            out = gather_heads_scatter_sequence(out, groups.group)
-            dq = gather_heads_scatter_sequence(dq, groups.group)
-            dk, dv = (
-                sum_replicated_kv_heads(gather_heads_scatter_sequence(g, groups.group), kv_heads) for g in (dk, dv)
-            )
-            wants = (want_out, want_dq, want_dk, want_dv)
-            results[f"sp{sp}-kv{kv_heads}"] = {
-                name: (got - _seq_shard(want, groups.sp_rank, sp)).abs().max().item()
-                for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), wants)
-            }
-            plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            results[f"sp{sp}-kv{kv_heads}"]["core_vs_sdpa"] = (want_out - plain).abs().max().item()
-        results[f"sp{sp}-memo-traits"] = _memo_core_with_traits(groups, sp, seed)
-        results[f"sp{sp}-autograd-traits"] = _autograd_attention_with_traits(groups, sp, seed)
     return results
+
+
+def _exchange_worker(rank, world):
+    return exchange_results((world, 2))
 
 
 def _max_error(got, want):
     return (got - want).abs().max().item()
 
 
-def _memo_core_with_traits(groups, sp, seed):
+def _memo_core_with_traits(groups, sp, heads, kv_heads, seed):
     """The memo executor's Ulysses core with a window, soft-capped scores and sinks against the local core on the
     whole sequence: each rank's dsinks is its heads' share (zero elsewhere), the group's sum the whole gradient."""
-    q, grad_out = _full((BATCH, HEADS, SEQ, DIM), seed + 6), _full((BATCH, HEADS, SEQ, DIM), seed + 7)
-    k, v = (_full((BATCH, 2, SEQ, DIM), seed + s) for s in (8, 9))
-    traits = AttentionTraits(0.4, window=5, softcap=2.0, sinks=_full((HEADS,), seed + 10))
+    q, grad_out = _full((BATCH, heads, SEQ, DIM), seed + 6), _full((BATCH, heads, SEQ, DIM), seed + 7)
+    k, v = (_full((BATCH, kv_heads, SEQ, DIM), seed + s) for s in (8, 9))
+    traits = AttentionTraits(0.4, window=5, softcap=2.0, sinks=_full((heads,), seed + 10))
     want_out, want_stats = attention_forward(q, k, v, traits)
     wants = (want_out, *attention_backward(grad_out, q, k, v, want_out, want_stats, traits))
     core = UlyssesAttention(groups.group, sp)
@@ -135,7 +163,8 @@ def _memo_core_with_traits(groups, sp, seed):
     out, stats = core.forward(*local[:3], traits)
     dq, dk, dv, dsinks = core.backward(local[3], *local[:3], out, stats, traits)
     others = dsinks.clone()
-    others[groups.sp_rank * HEADS // sp : (groups.sp_rank + 1) * HEADS // sp] = 0
+    mine = HeadSplit(heads, kv_heads, sp).query(groups.sp_rank)
+    others[mine.start : mine.stop] = 0
     dist.all_reduce(dsinks, group=groups.group)
     errors = {
         n: _max_error(g, _seq_shard(w, groups.sp_rank, sp))
@@ -154,22 +183,23 @@ def _sink_attention(module, query, key, value, attention_mask, scaling, s_aux, *
     return (probs @ value.repeat_interleave(groups, 1)).transpose(1, 2), None
 
 
-def _autograd_attention_with_traits(groups, sp, seed):
+def _autograd_attention_with_traits(groups, sp, heads, kv_heads, seed):
     """Ulysses for the non-memo modes: sdpa beyond its sliding window (against sdpa with transformers' sliding mask
     on the whole sequence), and an implementation reading the sinks from ``s_aux``, which reaches it sliced to the
     rank's heads (the group's sinks gradients add up to the whole one)."""
     AttentionInterface.register("hf_memo_test_sinks", _sink_attention)
     module = torch.nn.Module()
-    module.config, module.num_key_value_groups, module.is_causal = SimpleNamespace(), HEADS // 2, True
-    q, grad_out = _full((BATCH, HEADS, SEQ, DIM), seed + 11), _full((BATCH, SEQ, HEADS, DIM), seed + 12)
-    k, v = (_full((BATCH, 2, SEQ, DIM), seed + s) for s in (13, 14))
-    sinks = _full((HEADS,), seed + 15)
+    module.config, module.num_key_value_groups, module.is_causal = SimpleNamespace(), heads // kv_heads, True
+    q, grad_out = _full((BATCH, heads, SEQ, DIM), seed + 11), _full((BATCH, SEQ, heads, DIM), seed + 12)
+    k, v = (_full((BATCH, kv_heads, SEQ, DIM), seed + s) for s in (13, 14))
+    sinks = _full((heads,), seed + 15)
     mask = eager_mask(BATCH, SEQ, SEQ, mask_function=sliding_window_causal_mask_function(5), dtype=torch.float64)
     errors = {}
     for inner, extra in (("sdpa", {"sliding_window": 5}), ("hf_memo_test_sinks", {"s_aux": sinks})):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
         whole = {**extra, "s_aux": leaves[3]} if "s_aux" in extra else extra
         reference = sdpa_attention_forward if inner == "sdpa" else _sink_attention
+        module.num_key_value_groups = heads // kv_heads
         want, _ = reference(module, *leaves[:3], mask if inner == "sdpa" else None, scaling=0.4, **whole)
         want.backward(grad_out)
         local = [_seq_shard(t, groups.sp_rank, sp).detach().requires_grad_(True) for t in (q, k, v)]
@@ -189,14 +219,21 @@ def _autograd_attention_with_traits(groups, sp, seed):
     return errors
 
 
-def test_exchange_and_attention_core_on_four_ranks():
-    """Four ranks: one group of 4, and two replicas of 2 with different data. KV heads 1, 2, 4, 8 for 8 query
-    heads: replicated (sp > kv), one per rank, and several per rank."""
-    per_rank = run_processes(_exchange_worker, 4)
-    checked = 0
+def assert_exact(per_rank: list[dict], degrees) -> None:
+    """Every check below 1e-12 (fp64) on every rank, and every shape and degree checked."""
+    checked = set()
     for rank, results in enumerate(per_rank):
         for case, errors in results.items():
             for name, error in errors.items():
                 assert error < 1e-12, f"rank {rank}, {case}: {name} differs by {error}"
-                checked += 1
-    assert checked == 4 * (2 * 4 + 4 * 5 + 4 * 5 + 2 * 6 + 2 * 9)
+            checked.add(case)
+    for sp in degrees:
+        assert {f"sp{sp}-h{h}-kv{kv}" for h, kv in HEAD_SHAPES if h >= sp} <= checked
+        assert {f"sp{sp}-h{h}-memo-traits" for h, _ in TRAIT_SHAPES} <= checked
+
+
+def test_exchange_and_attention_core_on_four_ranks():
+    """Four ranks: one group of 4, and two replicas of 2 with different data. KV heads 1, 2, 4, 8 for 8 query
+    heads (sp > kv, one per rank, several per rank), and uneven splits: 6 query heads in 2 groups of 3 (a group
+    straddles ranks), 5 heads without GQA, 10 heads in 2 groups of 5."""
+    assert_exact(run_processes(_exchange_worker, 4), (4, 2))

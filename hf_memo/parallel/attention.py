@@ -3,9 +3,10 @@
 :func:`register_ulysses_attention` adds an entry to ``transformers``' ``AttentionInterface``; an
 attention layer whose config (an :class:`AttentionConfigView`) names it runs through
 :func:`ulysses_attention`, whatever its family: the layer's own q/k/v (``(B, h, S / sp, D)``, this
-rank's tokens) are exchanged for the whole sequence of ``h / sp`` heads, the wrapped implementation
-runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``. Outside training the
-wrapped implementation runs directly, with the model's own mask.
+rank's tokens) are exchanged for the whole sequence of the rank's heads (its
+:class:`~hf_memo.parallel.heads.HeadSplit`'s: ``⌈h/sp⌉`` or ``⌊h/sp⌋`` query heads and the KV heads they use),
+the wrapped implementation runs on them, and the output is exchanged back to ``(B, S / sp, h, D)``. Outside
+training the wrapped implementation runs directly, with the model's own mask.
 
 The layer's attention keywords reach the wrapped implementation as they are (``sliding_window`` and
 ``softcap`` apply within each whole sequence a rank holds), except the sinks (gpt-oss's ``s_aux``, one per
@@ -27,9 +28,13 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hf_memo.parallel.collectives import all_to_all_differentiable
 from hf_memo.parallel.groups import sequence_parallel_groups
-from hf_memo.parallel.ulysses import replicate_kv_heads, scatter_heads_gather_sequence_differentiable
+from hf_memo.parallel.heads import HeadSplit
+from hf_memo.parallel.ulysses import (
+    gather_heads_scatter_sequence_differentiable,
+    repeat_kv_heads,
+    scatter_heads_gather_sequence_differentiable,
+)
 from hf_memo.runtime.attention_function import core_attention
 from hf_memo.runtime.attention_traits import traits_of_call
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD, BatchLayout
@@ -146,13 +151,12 @@ def sdpa_with_window(
     return core_attention(query, key, value, traits).transpose(1, 2), None
 
 
-def _rank_sinks(kwargs: dict[str, Any], heads: int, sp_size: int, sp_rank: int) -> dict[str, Any]:
-    """``kwargs`` with the sinks (``s_aux``, ``(h,)``) sliced to the ``h / sp`` query heads rank ``sp_rank`` holds."""
+def _rank_sinks(kwargs: dict[str, Any], heads: range) -> dict[str, Any]:
+    """``kwargs`` with the sinks (``s_aux``, ``(h,)``) sliced to this rank's query ``heads``."""
     sinks = kwargs.get("s_aux")
     if sinks is None:
         return kwargs
-    step = heads // sp_size
-    return {**kwargs, "s_aux": sinks[sp_rank * step : (sp_rank + 1) * step]}
+    return {**kwargs, "s_aux": sinks[heads.start : heads.stop]}
 
 
 def ulysses_attention(
@@ -190,16 +194,19 @@ def ulysses_attention(
         )
     attend = {"sdpa": sdpa_with_window, "eager": causal_with_traits}.get(inner) or ALL_ATTENTION_FUNCTIONS[inner]
     groups = sequence_parallel_groups(sp_size)
-    group = groups.group
-    kwargs = _rank_sinks(kwargs, query.shape[1], sp_size, groups.sp_rank)
-    query = scatter_heads_gather_sequence_differentiable(query, group)
-    key = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(key, sp_size), group)
-    value = scatter_heads_gather_sequence_differentiable(replicate_kv_heads(value, sp_size), group)
+    group, rank, heads = groups.group, groups.sp_rank, query.shape[1]
+    split = HeadSplit(heads, key.shape[1], sp_size)
+    kwargs = _rank_sinks(kwargs, split.query(rank))
+    query = scatter_heads_gather_sequence_differentiable(query, split.queries, group)
+    key, value = (
+        repeat_kv_heads(scatter_heads_gather_sequence_differentiable(x, split.kvs, group), split, rank)
+        for x in (key, value)
+    )
     view = InnerModuleView(module, inner, kv_groups=query.shape[1] // key.shape[1])
     if layout is None:
         layout = BatchLayout(query.shape[2])
-    output = attend_per_sample(attend, view, query, key, value, layout, kwargs)  # (B, S, h / sp, D)
-    return all_to_all_differentiable(output, group, scatter_dim=1, gather_dim=2), None
+    output = attend_per_sample(attend, view, query, key, value, layout, kwargs)  # (B, S, h_r, D)
+    return gather_heads_scatter_sequence_differentiable(output, split.queries, heads, group, 2, 1), None
 
 
 def ulysses_attention_name(inner: str, sp_size: int) -> str:

@@ -24,7 +24,8 @@ from hf_memo.config import MemoConfig
 from hf_memo.minseq.lm_head import shifted_targets
 from hf_memo.parallel.attention import AttentionConfigView, check_wrappable, register_ulysses_attention
 from hf_memo.parallel.collectives import all_gather_tensor, sum_over_group
-from hf_memo.parallel.groups import SequenceParallelGroups, check_head_counts, sequence_parallel_groups
+from hf_memo.parallel.groups import SequenceParallelGroups, sequence_parallel_groups
+from hf_memo.parallel.heads import check_head_counts
 from hf_memo.parallel.sharding import batch_fingerprint, shard_batch
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 

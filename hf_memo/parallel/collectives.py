@@ -1,54 +1,44 @@
 """The two collectives sequence parallelism needs, plain and differentiable.
 
-- :func:`all_to_all`: split a tensor along one dimension, send piece ``j`` to rank ``j`` of the group,
-  concatenate what arrives (in rank order) along another dimension. Ulysses uses it to trade a
-  sequence shard of every head for the whole sequence of some heads, and back.
+- :func:`all_to_all_slices`: send slice ``j`` of a tensor (along one dimension, any sizes) to rank ``j`` of the
+  group and receive what the others send, in rank order. Ulysses uses it to trade a sequence shard of every head
+  for the whole sequence of some heads, and back.
 - :func:`sum_over_group`: all-reduce (sum) whose backward all-reduces the gradient too, so every rank
   of the group back-propagates the same global loss.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """All-to-all over ``group`` (``n`` ranks), without autograd.
-
-    ``x`` is cut into ``n`` equal pieces along ``scatter_dim``; piece ``j`` goes to rank ``j``. The
-    pieces received from ranks ``0..n-1`` are concatenated along ``gather_dim``. So the result's
-    ``scatter_dim`` is ``n`` times smaller and its ``gather_dim`` ``n`` times larger than ``x``'s.
-    ``x.shape[scatter_dim]`` must be a multiple of ``n``; every rank passes the same shape.
-    """
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
-    if x.shape[scatter_dim] % size != 0:
-        raise ValueError(f"all_to_all: dimension {scatter_dim} of shape {tuple(x.shape)} is not divisible by {size}")
-    send = x.unflatten(scatter_dim, (size, -1)).movedim(scatter_dim, 0).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return all_to_all(x, group, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
-
-
-def all_to_all_differentiable(
-    x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
+def all_to_all_slices(
+    x: torch.Tensor, dim: int, ranges: Sequence[range], receive: Sequence[int], group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """:func:`all_to_all` with autograd: the backward is the inverse all-to-all of the gradient."""
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    """All-to-all of slices of ``x`` over the ``n`` ranks of ``group``, sizes free (no autograd).
+
+    Rank ``j`` gets ``x.narrow(dim, r.start, len(r))`` for ``r = ranges[j]`` (ranges may differ in length and
+    overlap); the result is the flat concatenation of what arrives from ranks ``0..n-1``, ``receive[i]`` elements
+    from rank ``i``, each piece laid out contiguously in its own shape. What is sent is packed into one buffer, or
+    is ``x`` itself where ``x`` is contiguous and its slices tile it in order.
+    """
+    pieces = [x.narrow(dim, r.start, len(r)) for r in ranges]
+    sizes = [piece.numel() for piece in pieces]
+    tiled = all(r.start == (ranges[i - 1].stop if i else 0) for i, r in enumerate(ranges))
+    if x.is_contiguous() and tiled and ranges[-1].stop == x.shape[dim] and math.prod(x.shape[:dim]) == 1:
+        send = x.view(-1)
+    else:
+        send = x.new_empty(sum(sizes))
+        for piece, start, size in zip(pieces, itertools.accumulate([0, *sizes]), sizes):
+            send[start : start + size].view(piece.shape).copy_(piece)
+    received = x.new_empty(sum(receive))
+    dist.all_to_all_single(received, send, list(receive), sizes, group=group)
+    return received
 
 
 class _SumOverGroup(torch.autograd.Function):

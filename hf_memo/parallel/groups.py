@@ -121,21 +121,3 @@ def sequence_parallel_groups(size: int) -> SequenceParallelGroups:
             SequenceParallelGroups(mine, size, rank % size, world_size // size, rank // size),
         )
     return cached[1]
-
-
-def check_head_counts(size: int, num_heads: int, num_kv_heads: int) -> None:
-    """Ulysses needs ``size`` to divide the query heads and to divide, or be a multiple of, the KV heads.
-
-    Raises:
-        ValueError: naming the degree, the head counts and the degrees this model accepts.
-    """
-    if num_heads % size == 0 and (num_kv_heads % size == 0 or size % num_kv_heads == 0):
-        return
-    accepted = [
-        d for d in range(1, num_heads + 1) if num_heads % d == 0 and (num_kv_heads % d == 0 or d % num_kv_heads == 0)
-    ]
-    raise ValueError(
-        f"MemoConfig.sequence_parallel_size={size} must divide the model's num_attention_heads={num_heads} and "
-        f"divide or be a multiple of its num_key_value_heads={num_kv_heads}; accepted for this model: "
-        + ", ".join(map(str, accepted))
-    )
