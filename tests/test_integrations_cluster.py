@@ -167,15 +167,16 @@ def _core_peaks(core, batch, heads, kv_heads, seq_len, head_dim):
 
 @pytest.fixture
 def fake_world():
-    """A fake process group of any size in this process: collectives move nothing, tensors keep their shapes."""
+    """A fake process group of any size in this process (as rank ``rank``, 0 unless given): collectives move
+    nothing, tensors keep their shapes."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     sizes = []
 
-    def world(size):
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    def world(size, rank=0):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
         sizes.append(size)
         return dist.group.WORLD
 
@@ -186,7 +187,15 @@ def fake_world():
 
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,sp",
-    [(b, *shape) for b, shape in itertools.product((1, 2), [(8, 8, 4), (8, 2, 4), (8, 2, 8), (8, 1, 4), (4, 4, 4)])],
+    [
+        (b, *shape)
+        for b, shape in itertools.product(
+            (1, 2),
+            # degrees that divide the heads; uneven splits: 3 heads at sp=2, a GQA group straddling ranks (6 heads in
+            # 2 groups at sp=4), KV heads repeated after the exchange (10 in 2 groups at sp=3, 28 in 4 at sp=8)
+            [(8, 8, 4), (8, 2, 4), (8, 2, 8), (8, 1, 4), (4, 4, 4), (3, 3, 2), (6, 2, 4), (10, 2, 3), (28, 4, 8)],
+        )
+    ],
 )
 def test_all_to_all_bytes_are_what_the_real_ulysses_core_allocates(fake_world, batch, heads, kv_heads, sp):
     head_dim, rank_seq_len = 16, 32
@@ -198,6 +207,17 @@ def test_all_to_all_bytes_are_what_the_real_ulysses_core_allocates(fake_world, b
     assert all_to_all_bytes(config, Cluster(sp, sp), batch, rank_seq_len, 2) == extra
 
 
+@pytest.mark.parametrize("rank", [1, 2, 5, 7])
+def test_rank_0_of_an_uneven_split_holds_the_most(fake_world, rank):
+    """28 query heads in 4 groups over 8 ranks (Qwen2.5-7B's): 4 or 3 query heads each, KV heads repeated; the
+    model counts rank 0's buffers, the most any rank holds (what the estimator's profiles of rank 0 see)."""
+    group = fake_world(8, rank)
+    local = _core_peaks(LocalAttention(), 2, 28, 4, 16, 8)
+    ulysses = _core_peaks(UlyssesAttention(group, 8), 2, 28, 4, 16, 8)
+    config = LlamaConfig(hidden_size=28 * 8, num_attention_heads=28, num_key_value_heads=4)
+    assert max(u - one for u, one in zip(ulysses, local)) <= all_to_all_bytes(config, Cluster(8, 8), 2, 16, 2)
+
+
 def test_all_to_all_bytes_count_all_positions_of_a_ranks_heads_once():
     config = builtin_config("llama-3-8b")  # 32 heads of 128, 8 kv heads
     assert all_to_all_bytes(config, Cluster(8, 1), 1, 1024, 2) == 0
@@ -205,7 +225,9 @@ def test_all_to_all_bytes_count_all_positions_of_a_ranks_heads_once():
     exchanged = (2 * 4 + 2 * 1) * 128 * s * 2  # q and the output: 4 heads, k and v: 1 head, all S positions, bf16
     a2a = all_to_all_bytes(config, Cluster(8, 8), 1, rank_seq_len, 2)
     assert a2a >= exchanged  # the issue's bug divided these by K once more: 8x too small
-    assert a2a == 4 * (4 * 128 * s * 2)  # four of q's size: the exchange of the output in backward
+    # at the core's backward: the output's gradient, q, the output and dq (4 of q's size) and k, v, dk, dv (one KV
+    # head each: 1 of q's size), less the single-GPU core's dq, dk, dv on the rank's positions (1.5 of q's size)
+    assert a2a == 7 * (4 * 128 * s * 2) // 2
     assert all_to_all_bytes(config, Cluster(8, 8), 1, 2 * rank_seq_len, 2) == 2 * a2a  # linear in the tokens
 
 

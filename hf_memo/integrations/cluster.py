@@ -2,8 +2,9 @@
 
 A job runs on ``num_gpus`` ranks, ``gpus_per_node`` of them per node sharing its host memory. Ulysses sequence
 parallelism over ``sequence_parallel = K`` ranks gives each rank ``S / K`` positions of every sequence: its
-activations are those of a single-GPU step on ``S / K`` tokens (attention runs on all ``S`` positions of ``h / K``
-heads, the same bytes), plus what the all-to-all exchanges of hf_memo's Ulysses core hold (:func:`all_to_all_bytes`).
+activations are those of a single-GPU step on ``S / K`` tokens (attention runs on all ``S`` positions of ``⌈h/K⌉`` or
+``⌊h/K⌋`` heads, about the same bytes), plus what the all-to-all exchanges of hf_memo's Ulysses core hold on the rank
+with the most heads, which bounds the step (:func:`all_to_all_bytes`).
 
 Without ZeRO the model states are the profile's (AdamW on the model's own weights, its moments in the parameter
 dtype: what a plain PyTorch or Hugging Face run of a bf16 model does). With ZeRO they are DeepSpeed's, counted from
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 from transformers import PretrainedConfig
 
+from hf_memo.parallel.heads import HeadSplit
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.phases import decoder_layers
 
@@ -289,26 +291,123 @@ def rank_states(states: ModelStates, cluster: Cluster) -> RankStates:
     return RankStates(parameters, gathered, during, before, buckets, optimizer, step, pinned, pageable)
 
 
-def _exchange_buffers(batch_size: int, heads_per_rank: int, contiguous: bool) -> int:
-    """Buffers one all-to-all of :mod:`hf_memo.parallel.collectives` holds at once, in exchanged tensors: a contiguous
-    copy of a strided input, the send buffer (a view with one sequence), the receive buffer, and the re-laid result
-    (one of the other two is a view when ``batch_size * heads_per_rank`` is 1 or ``batch_size`` is 1)."""
-    return 1 + (not contiguous) + (batch_size > 1) + (batch_size * heads_per_rank > 1)
+class _Tape:
+    """Bytes allocated and freed in order, and the most held at once."""
+
+    def __init__(self) -> None:
+        self.held = self.peak = 0
+
+    def alloc(self, size: int) -> None:
+        self.held += size
+        self.peak = max(self.peak, self.held)
+
+    def free(self, size: int) -> None:
+        self.held -= size
+
+
+@dataclass(frozen=True)
+class _UlyssesBuffers:
+    """What :class:`~hf_memo.parallel.memo_attention.UlyssesAttention` allocates on rank 0 of a
+    :class:`~hf_memo.parallel.heads.HeadSplit` (the rank with the most heads), step by step, in bytes.
+
+    ``local(n)``: ``n`` heads of the rank's ``s`` positions; ``whole(n)``: ``n`` heads of all ``S = K s``. q, k, v
+    and gradients reach the core as ``(B, n, s, D)`` views of ``(B, s, n, D)`` memory, and its outputs are laid out
+    likewise, so every exchange packs what it sends into a buffer of its own; the received buffer is re-laid into a
+    new one unless ``B * heads`` (scatter) or ``B`` (gather of a partition of the heads) is 1.
+    """
+
+    split: HeadSplit
+    batch: int
+    positions: int
+    head_dim: int
+    element: int
+
+    def local(self, heads: int) -> int:
+        return self.batch * self.positions * heads * self.head_dim * self.element
+
+    def whole(self, heads: int) -> int:
+        return self.split.size * self.local(heads)
+
+    def scatter(self, tape: _Tape, sent: int, heads: int) -> None:
+        """Packed send buffer of ``sent`` heads' shards, the received ``heads`` of all positions (re-laid)."""
+        tape.alloc(self.local(sent))
+        tape.alloc(self.whole(heads))
+        tape.free(self.local(sent))
+        if self.batch * heads > 1:
+            tape.alloc(self.whole(heads))
+            tape.free(self.whole(heads))
+
+    def gather(self, tape: _Tape, heads: int, received: int, result: int, partition: bool) -> None:
+        """``heads`` of all positions sent back as they are (``B * heads`` 1) or packed, ``received`` heads' shards
+        arriving, put together into the ``result`` heads (a view of them for a partition at batch 1)."""
+        packed = self.batch * heads > 1
+        if packed:
+            tape.alloc(self.whole(heads))
+        tape.alloc(self.local(received))
+        if packed:
+            tape.free(self.whole(heads))
+        if not (partition and self.batch == 1):
+            tape.alloc(self.local(result))
+            tape.free(self.local(received))
+
+    def exchange_qkv(self, tape: _Tape) -> tuple[int, int]:
+        """q, k, v exchanged (and k, v repeated where the split asks for it); returns q's and k's bytes."""
+        split = self.split
+        queries, received, attended = len(split.query(0)), len(split.kv(0)), split.attended_kv_heads(0)
+        self.scatter(tape, split.heads, queries)
+        for _ in "kv":
+            self.scatter(tape, sum(map(len, split.kvs)), received)
+            if attended != received:
+                tape.alloc(self.whole(attended))
+                tape.free(self.whole(received))
+        return self.whole(queries), self.whole(attended)
+
+    def forward(self) -> int:
+        """Peak of the forward beyond the single-GPU core's (its output and statistics at the rank's positions)."""
+        split, tape = self.split, _Tape()
+        queries = len(split.query(0))
+        q, kv = self.exchange_qkv(tape)
+        lse = self.batch * self.positions * split.size * queries * LSE_BYTES
+        tape.alloc(q + lse)  # the core's output and statistics
+        tape.free(q + 2 * kv)
+        self.gather(tape, queries, split.heads, split.heads, partition=True)
+        return tape.peak - self.local(split.heads) - self.batch * self.positions * split.heads * LSE_BYTES
+
+    def backward(self) -> int:
+        """Peak of the backward beyond the single-GPU core's (dq, dk, dv at the rank's positions)."""
+        split, tape = self.split, _Tape()
+        queries, received, attended = len(split.query(0)), len(split.kv(0)), split.attended_kv_heads(0)
+        self.scatter(tape, split.heads, queries)  # the output's gradient
+        q, kv = self.exchange_qkv(tape)
+        self.scatter(tape, split.heads, queries)  # the output
+        tape.alloc(q + 2 * kv)  # dq, dk, dv
+        tape.free(2 * q + 2 * kv)  # the exchanged q, k, v and output (the output's gradient stays)
+        self.gather(tape, queries, split.heads, split.heads, partition=True)
+        tape.free(q)
+        kv_partition = sum(map(len, split.kvs)) == split.kv_heads
+        for _ in "kv":
+            if attended != received:
+                tape.alloc(self.whole(received))  # the repeated heads' gradients summed
+            self.gather(tape, received, sum(map(len, split.kvs)), split.kv_heads, kv_partition)
+            if attended != received:
+                tape.free(self.whole(received))
+        return tape.peak - self.local(split.heads) - 2 * self.local(split.kv_heads)
 
 
 def all_to_all_bytes(
     config: PretrainedConfig, cluster: Cluster, batch_size: int, rank_seq_len: int, element: int
 ) -> int:
     """Bytes hf_memo's Ulysses attention core (:class:`~hf_memo.parallel.memo_attention.UlyssesAttention`) holds
-    beyond the single-GPU core on the rank's ``rank_seq_len`` positions (``S / K``), at its worst moment.
+    beyond the single-GPU core on the rank's ``rank_seq_len`` positions (``S / K``), at its worst moment, on the
+    rank with the most heads (rank 0 of the :class:`~hf_memo.parallel.heads.HeadSplit`: ``⌈h/K⌉`` query heads and
+    the most KV heads), which bounds the step.
 
-    After an exchange a rank holds all ``S`` positions of ``h / K`` query heads and ``max(h_kv, K) / K`` key-value
-    heads (replicated to ``K`` first when ``K > h_kv``). Forward exchanges q, k, v and the output back; backward
+    After an exchange a rank holds all ``S`` positions of its query heads and of the KV heads they use (repeated to
+    one per query head where the split asks for it). Forward exchanges q, k, v and the output back; backward
     exchanges the output gradient, q, k, v and the output (all alive at the core's backward beside dq, dk, dv in the
-    exchanged layout) and the three gradients back. Each exchange also holds its send and receive buffers and a
-    contiguous copy of a strided input: the executor hands in views of ``(B, S, h, D)`` memory, and kernels lay
-    their outputs out likewise. 0 without sequence parallelism. Added to a rank's peak wherever it is, this is an
-    upper bound; it is exact when the step peaks in the attention core.
+    exchanged layout) and the three gradients back, step by step as :class:`_UlyssesBuffers` counts. 0 without
+    sequence parallelism. Added to a rank's peak wherever it is, this is an upper bound; it is exact when the step
+    peaks in the attention core.
     """
     k = cluster.sequence_parallel
     if k == 1:
@@ -317,39 +416,8 @@ def all_to_all_bytes(
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    q_heads, kv_rank_heads = math.ceil(heads / k), math.ceil(max(kv_heads, k) / k)
-    per_head = batch_size * rank_seq_len * k * head_dim * element  # one head, all S positions
-    q, kv = q_heads * per_head, kv_rank_heads * per_head  # exchanged q (= the rank's own q) and k
-    kv_local = batch_size * rank_seq_len * kv_heads * head_dim * element
-    replicated = 2 * kv if k > kv_heads else 0  # k and v repeated to K heads before the exchange
-
-    def buffers(heads_per_rank: int, contiguous: bool) -> int:
-        return _exchange_buffers(batch_size, heads_per_rank, contiguous)
-
-    kv_in = buffers(kv_rank_heads, contiguous=k > kv_heads or kv_heads == 1)  # k, v: replicated, or views
-    q_in, q_out = buffers(q_heads, contiguous=False), buffers(q_heads, contiguous=q_heads == 1)
-    kv_out = buffers(kv_rank_heads, contiguous=kv_rank_heads == 1)
-    lse = batch_size * rank_seq_len * heads * LSE_BYTES
-    forward = max(
-        q_in * q,
-        q + kv_in * kv,
-        q + kv + kv_in * kv,
-        2 * q + 2 * kv + lse,  # q, k, v exchanged and the core's output
-        q + lse + q_out * q,  # the output exchanged back
-    ) - (q + lse)
-    summed = kv + kv_local if k > kv_heads else 0  # a gathered gradient and its sum over the copies
-    backward = max(
-        q_in * q,
-        q + q_in * q,
-        2 * q + kv_in * kv,
-        2 * q + kv + kv_in * kv,
-        2 * q + 2 * kv + q_in * q,  # grad_out, q, k, v exchanged; the output now
-        4 * q + 4 * kv,  # the core's backward: its five inputs and three outputs
-        q + 2 * kv + q_out * q,  # dq exchanged back
-        2 * q + 2 * kv + max(kv_out * kv, summed),  # dk
-        2 * q + 2 * kv + kv_local + max(kv_out * kv, summed),  # dv
-    ) - (q + 2 * kv_local)
-    return replicated + max(forward, backward)
+    buffers = _UlyssesBuffers(HeadSplit(heads, kv_heads, k), batch_size, rank_seq_len, head_dim, element)
+    return max(buffers.forward(), buffers.backward())
 
 
 def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_temporary: int = 0) -> tuple[Peak, int]:
