@@ -6,7 +6,8 @@ group of 8 ranks standing in for the others (its collectives move no data but ha
 so the rank holds ``S / sp`` tokens and its attention runs over the whole sequence for ``heads / sp``
 heads, exactly as after the all-to-all. Every collective the step issues is recorded (shape, dtype,
 forward or backward), and the all-to-all volume is checked against the closed form
-``B * S/sp * head_dim * (2 * heads + 2 * max(kv_heads, sp)) * bytes`` per layer and direction.
+``B * S/sp * head_dim * (2 * heads + 2 * sum_r kv_r) * bytes`` per layer and direction (``kv_r``: the KV heads rank
+``r`` attends with, ``max(kv_heads, sp) / sp`` each where ``sp`` divides the heads).
 
     python benchmarks/sequence_parallel.py                        # Llama-3-8B layer shapes, about 1 minute
     python benchmarks/sequence_parallel.py --tiny --out /tmp/x   # seconds-long smoke run
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 import hf_memo
+from hf_memo.parallel.heads import HeadSplit
 from hf_memo.profiler.fake_model import fake_causal_lm
 from hf_memo.profiler.footprint import with_layers
 from hf_memo.profiler.memtracker import training_step_peak
@@ -73,9 +75,10 @@ class CollectiveLog:
 
 
 def expected_all_to_all_bytes(config: LlamaConfig, seq_len: int, sp: int, element_size: int) -> int:
-    """All-to-all buffer bytes of one layer in one direction: q, k, v in and the output back."""
+    """All-to-all buffer bytes of one layer in one direction: q, k, v in and the output back (each KV head once for
+    every rank that attends with it)."""
     head_dim = config.hidden_size // config.num_attention_heads
-    kv = max(config.num_key_value_heads, sp)
+    kv = sum(map(len, HeadSplit(config.num_attention_heads, config.num_key_value_heads, sp).kvs))
     return seq_len // sp * head_dim * (2 * config.num_attention_heads + 2 * kv) * element_size
 
 
