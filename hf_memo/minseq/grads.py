@@ -7,6 +7,11 @@ from collections.abc import Sequence
 import torch
 
 
+def summing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of gradients in ``dtype`` is kept in: float32 for half precision, else ``dtype`` itself."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class GradSum:
     """Running sums of the gradients of ``params`` over chunks.
 
@@ -28,7 +33,7 @@ class GradSum:
         gets ``None``."""
         for i, param in enumerate(self._params):
             if self.wanted[i] and self._sums[i] is None:
-                self._sums[i] = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+                self._sums[i] = torch.zeros_like(param, dtype=summing_dtype(param.dtype))
 
     def add(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Add one chunk's gradients (same order as ``params``; unwanted entries are ignored)."""
@@ -36,8 +41,7 @@ class GradSum:
             if grad is None or not self.wanted[i]:
                 continue
             if self._sums[i] is None:
-                wide = torch.promote_types(grad.dtype, torch.float32)
-                self._sums[i] = grad.to(wide, copy=True)
+                self._sums[i] = grad.to(summing_dtype(grad.dtype), copy=True)
             else:
                 self._sums[i].add_(grad)
             self._added[i] = True

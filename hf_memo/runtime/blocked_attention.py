@@ -31,6 +31,8 @@ from dataclasses import replace
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from hf_memo.minseq.chunking import chunk_bounds
+from hf_memo.minseq.grads import summing_dtype
 from hf_memo.profiler.kernel_workspace import PROFILED_TARGET, AttentionCall, needs_kv_expansion
 from hf_memo.runtime.attention_core import (
     AttentionStats,
@@ -140,6 +142,13 @@ def _no_rng() -> torch.Tensor:
 
 
 @torch.no_grad()
+def key_grad_sums(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed sums shaped like ``k`` and ``v`` ``(B, h_kv, S, D)`` for :func:`block_backward` to add every block's
+    dK/dV into: float32 for half inputs (one rounding per kernel call, none per block), else their own dtype."""
+    wide = summing_dtype(k.dtype)
+    return torch.zeros(k.shape, dtype=wide, device=k.device), torch.zeros(v.shape, dtype=wide, device=v.device)
+
+
 def block_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -234,10 +243,6 @@ class QueryBlockAttention:
     def __init__(self, blocks: int = QUERY_BLOCKS) -> None:
         self.blocks = blocks
 
-    def _bounds(self, length: int) -> list[tuple[int, int]]:
-        count = max(1, min(self.blocks, length))
-        return [(i * length // count, (i + 1) * length // count) for i in range(count)]
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]:
@@ -247,7 +252,7 @@ class QueryBlockAttention:
             return attention_forward(q, k, v, traits)
         batch, heads, length, _ = q.shape
         out = lse = None
-        for start, stop in self._bounds(length):
+        for start, stop in chunk_bounds(length, self.blocks):
             rows, rows_lse = block_forward(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], start, traits)
             if out is None:
                 out = rows.new_empty(batch, length, heads, v.shape[-1]).transpose(1, 2)
@@ -268,11 +273,10 @@ class QueryBlockAttention:
         """``(dq, dk, dv, dsinks)`` as :func:`~hf_memo.runtime.attention_core.attention_backward` gives them."""
         if not blockable(q, traits):
             return attention_backward(grad_out, q, k, v, out, stats, traits)
-        wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
-        dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (k, v))
+        dk, dv = key_grad_sums(k, v)
         dq = torch.empty_like(q)
         dsinks = None
-        for start, stop in reversed(self._bounds(q.shape[2])):
+        for start, stop in reversed(chunk_bounds(q.shape[2], self.blocks)):
             rows = slice(start, stop)
             dq[:, :, rows], block_dsinks = block_backward(
                 grad_out[:, :, rows], q[:, :, rows], k[:, :, :stop], v[:, :, :stop], out[:, :, rows],

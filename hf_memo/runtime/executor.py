@@ -45,7 +45,7 @@ from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
 from hf_memo.runtime.attention_traits import AttentionTraits
-from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable
+from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable, key_grad_sums
 from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
 
@@ -418,8 +418,7 @@ def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> t
     output's rows, one chunk at a time)."""
     sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
     k, v = _rebuild_qkv(ctx, x, keys_only=True)
-    accumulate = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
-    dk, dv = (torch.zeros(t.shape, dtype=accumulate, device=t.device) for t in (k, v))
+    dk, dv = key_grad_sums(k, v)
     # A chunk's rows of x are read for the last time by its own backward: the gradient can take their place.
     grad_x = x if not keep and ctx.stash.owns(ctx.x_ref) else torch.empty_like(x)
     out = lse = None
