@@ -6,8 +6,10 @@ runtime is told to run exactly such a policy (:meth:`~hf_memo.runtime.memo.MemoR
 is profiled on fake tensors, so what is measured is the code's own allocations, working sets included.
 
 Within a block every layer does the same, so the bytes alive at any moment of a layer's forward or backward grow
-linearly with the layers of each block before and after it, and the middle layers of a block peak no higher than
-its first or last (see :mod:`hf_memo.profiler.extrapolate`). With one slot per block end and direction, each
+linearly with the layers of each block before and after it. A block's end layers differ from its middle ones (the
+layer below the first is of another kind or none: the bottom host layer fetches nothing below it), and the middle
+layers' peaks move linearly from the second's to the last but one's. With one slot per block end, second and last
+but one layer and direction, each
 moment's bytes are a line in ``(1, T, c_1, c_1 T, ..., c_k, c_k T, L_mlp, L_head)`` for block counts ``c_i``,
 tokens ``T`` and the largest chunks' rows (see :mod:`hf_memo.profiler.closed_form`). ``2k + 4`` profiles fix it:
 every block at 2 layers and each block in turn at 3, at two lengths, plus two with one more MLP or LM-head chunk.
@@ -104,24 +106,34 @@ class PolicySize:
         per_block = [value for count in self.shape.counts for value in (float(count), count * t)]
         return np.array([1.0, t, *per_block, float(self.mlp_rows), float(self.head_rows)])
 
-    def slot(self, phase: str) -> str | None:
-        """``"block 1 first backward"`` for the end layers of each block, ``None`` for the middle ones."""
+    def slots(self, phase: str) -> tuple[str, ...]:
+        """``("block 1 first backward",)`` for the end layers of each block, ``"... second ..."`` and
+        ``"... penultimate ..."`` for the middle layers next to them (both for the middle of three), none for the
+        others: a middle layer peaks like its neighbours but for what accumulates layer by layer, so no higher than
+        the second's or the last but one's, while an end layer's neighbour may be of another kind (or none)."""
         if not phase.startswith("layer "):
-            return phase
+            return (phase,)
         _, index, direction = phase.split()
         block, position = self.shape.block_of(int(index))
-        if position == 0:
-            return f"block {block} first {direction}"
-        if position == self.shape.counts[block] - 1:
-            return f"block {block} last {direction}"
-        return None
+        last = self.shape.counts[block] - 1
+        if position in (0, last):
+            return (f"block {block} {'first' if position == 0 else 'last'} {direction}",)
+        return tuple(
+            f"block {block} {name} {direction}"
+            for name, at in (("second", 1), ("penultimate", last - 1))
+            if position == at
+        )
 
-    def phase(self, slot: str) -> str:
+    def phase(self, slot: str) -> str | None:
+        """The phase of ``slot`` at this size (``None``: a middle slot of a block of fewer than three layers)."""
         if not slot.startswith("block "):
             return slot
         _, block, end, direction = slot.split()
-        first = sum(self.shape.counts[: int(block)])
-        return f"layer {first + (0 if end == 'first' else self.shape.counts[int(block)] - 1)} {direction}"
+        count = self.shape.counts[int(block)]
+        position = {"first": 0, "second": 1, "penultimate": count - 2, "last": count - 1}[end]
+        if end in ("second", "penultimate") and count < 3:
+            return None
+        return f"layer {sum(self.shape.counts[: int(block)]) + position} {direction}"
 
 
 ProfilerFor = Callable[[MemoryPolicy, Chunks], StepProfiler]

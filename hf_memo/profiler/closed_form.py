@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_memo.profiler.analysis import Peak
-from hf_memo.profiler.extrapolate import slot_name, slot_walk, target_phase
+from hf_memo.profiler.extrapolate import SlotsOf, slot_names, slot_walk, target_phase
 from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 
 MomentKey = tuple[str, int, str]  # (slot, occurrence, op)
@@ -33,12 +33,12 @@ def moment_peaks(
     trace: AllocationTrace,
     location: str = "device",
     bucketed: Bucketed | None = None,
-    slot_of: Callable[[str], str | None] | None = None,
+    slots_of: SlotsOf | None = None,
 ) -> dict[MomentKey, tuple[Peak, dict[str, int]]]:
     """Per slot (see :func:`~hf_memo.profiler.extrapolate.slot_peaks`) and per op, the most bytes alive right after
     a malloc that op made in the slot (``"start"``: when the slot begins), and of them, by category, the bytes of
-    buffers sized for the step's length bucket (the mallocs ``bucketed`` tells; none without it). ``slot_of`` names
-    each phase's slot (see :func:`~hf_memo.profiler.extrapolate.slot_walk`).
+    buffers sized for the step's length bucket (the mallocs ``bucketed`` tells; none without it). ``slots_of`` names
+    each phase's slots (see :func:`~hf_memo.profiler.extrapolate.slot_walk`).
 
     A slot's peak is the highest of its moments'. Moments of one op are alike whatever the chunk count (the
     same op at the same point of each chunk), so each is one line in the step's sizes, where a whole slot's
@@ -48,7 +48,7 @@ def moment_peaks(
     peaks: dict[MomentKey, tuple[Peak, dict[str, int]]] = {}
     in_buckets = dict.fromkeys(CATEGORIES, 0)
     sized: set[int] = set()  # tensor ids of the live bucket-sized buffers
-    for index, event, slot_key, starts, live, by_category in slot_walk(trace, location, slot_of):
+    for index, event, slot_keys, starts, live, by_category in slot_walk(trace, location, slots_of):
         if not starts and bucketed is not None:
             if event.op == "malloc" and bucketed(event):
                 sized.add(event.tensor_id)
@@ -56,14 +56,13 @@ def moment_peaks(
             elif event.op == "free" and event.tensor_id in sized:
                 sized.discard(event.tensor_id)
                 in_buckets[event.category] -= event.size
-        if slot_key is None:
-            continue
-        if starts:
-            peaks[(*slot_key, "start")] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
-        elif event.op == "malloc":
-            key = (*slot_key, event.source or "tracked")
-            if key not in peaks or live > peaks[key][0].total:
-                peaks[key] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
+        for slot_key in slot_keys:
+            if starts:
+                peaks[(*slot_key, "start")] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
+            elif event.op == "malloc":
+                key = (*slot_key, event.source or "tracked")
+                if key not in peaks or live > peaks[key][0].total:
+                    peaks[key] = (Peak(live, dict(by_category), index, event.phase), dict(in_buckets))
     return peaks
 
 
@@ -85,12 +84,12 @@ class StepSize:
     layer_terms: bool = True
     stretch: float = 1.0  # bucket-sized buffers hold this many times their step's bytes (see ClosedForm)
 
-    def slot(self, phase: str) -> str | None:
-        """The slot of ``phase`` in a step of this size (``None``: a middle layer's, never a peak of its own)."""
-        return slot_name(phase, self.layers)
+    def slots(self, phase: str) -> tuple[str, ...]:
+        """The slots of ``phase`` in a step of this size (none for a middle layer's, never a peak of its own)."""
+        return slot_names(phase, self.layers)
 
-    def phase(self, slot: str) -> str:
-        """The phase ``slot`` names in a step of this size."""
+    def phase(self, slot: str) -> str | None:
+        """The phase ``slot`` names in a step of this size (every slot of a profile has one at every size)."""
         return target_phase(slot, self.layers)
 
     def features(self) -> np.ndarray:
@@ -128,7 +127,7 @@ class ClosedForm:
                 f"need {features.shape[1]} profiles with independent sizes to fit a closed form, got "
                 f"{[size for size, _ in samples]}"
             )
-        slots = [moment_peaks(trace, location, bucketed, size.slot) for size, trace in samples]
+        slots = [moment_peaks(trace, location, bucketed, size.slots) for size, trace in samples]
         phases = {key[:2] for key in slots[0]}
         for size, found in zip((size for size, _ in samples), slots):
             if {key[:2] for key in found} != phases:
@@ -155,9 +154,10 @@ class ClosedForm:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
         coefficients = self._coefficients + size.stretch * self._sized
         values = np.rint(np.einsum("f,fkc->kc", x, coefficients)).astype(np.int64)
-        totals = values.sum(axis=1)
+        phases = [size.phase(slot) for slot, _, _ in self._keys]
+        totals = np.where([phase is not None for phase in phases], values.sum(axis=1), 0)  # slots it has
         best = int(np.argmax(totals))
         if totals[best] <= 0:
             return Peak(0)
         by_category = {c: int(v) for c, v in zip(CATEGORIES, values[best])}
-        return Peak(int(totals[best]), by_category, -1, size.phase(self._keys[best][0]))
+        return Peak(int(totals[best]), by_category, -1, phases[best])

@@ -21,60 +21,64 @@ from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 SlotKey = tuple[str, int]
 
 
-def slot_name(phase: str, layers: int) -> str | None:
-    """``"layer first forward"`` / ``"layer last backward"`` for the end layers, ``None`` for middle ones."""
+def slot_names(phase: str, layers: int) -> tuple[str, ...]:
+    """``("layer first forward",)`` / ``("layer last backward",)`` for the end layers, ``()`` for middle ones."""
     if not phase.startswith("layer "):
-        return phase
+        return (phase,)
     _, index, direction = phase.split()
     if int(index) == layers - 1:
-        return f"layer last {direction}"
+        return (f"layer last {direction}",)
     if int(index) == 0:
-        return f"layer first {direction}"
-    return None
+        return (f"layer first {direction}",)
+    return ()
+
+
+SlotsOf = Callable[[str], tuple[str, ...]]
 
 
 def slot_walk(
-    trace: AllocationTrace, location: str = "device", slot_of: Callable[[str], str | None] | None = None
-) -> Iterator[tuple[int, AllocationEvent, SlotKey | None, bool, int, dict[str, int]]]:
-    """Walk ``trace`` run by run of its phases: ``(index, event, slot key, starts, live bytes, live by category)``.
+    trace: AllocationTrace, location: str = "device", slots_of: SlotsOf | None = None
+) -> Iterator[tuple[int, AllocationEvent, tuple[SlotKey, ...], bool, int, dict[str, int]]]:
+    """Walk ``trace`` run by run of its phases: ``(index, event, slot keys, starts, live bytes, live by category)``.
 
-    Each run of one phase is keyed ``(slot, occurrence)`` (``None`` for middle layers). A run's first event is
-    yielded first with ``starts=True`` and the bytes alive before it; every event at ``location`` is then
+    Each run of one phase is keyed ``(slot, occurrence)`` for each slot it stands for (none for middle layers;
+    a run may stand for two slots, e.g. a block's second layer that is also its last but one). A run's first
+    event is yielded first with ``starts=True`` and the bytes alive before it; every event at ``location`` is then
     yielded with the bytes alive after it. ``live by category`` is updated in place: copy it to keep it.
-    ``slot_of(phase)`` names a phase's slot (default :func:`slot_name` at the trace's depth).
+    ``slots_of(phase)`` names a phase's slots (default :func:`slot_names` at the trace's depth).
     """
-    if slot_of is None:
+    if slots_of is None:
         layers = layer_count(trace)
 
-        def slot_of(phase: str) -> str | None:
-            return slot_name(phase, layers)
+        def slots_of(phase: str) -> tuple[str, ...]:
+            return slot_names(phase, layers)
 
     by_category = dict.fromkeys(CATEGORIES, 0)
     live = 0
     seen: Counter[str] = Counter()
-    key: SlotKey | None = None
+    keys: tuple[SlotKey, ...] = ()
     previous_phase = None
     for index, event in enumerate(trace.events):
         if event.phase != previous_phase:
             previous_phase = event.phase
-            slot = slot_of(event.phase)
-            key = None if slot is None else (slot, seen[slot])
-            if slot is not None:
-                seen[slot] += 1
-                yield index, event, key, True, live, by_category
+            keys = tuple((slot, seen[slot]) for slot in slots_of(event.phase))
+            seen.update(slot for slot, _ in keys)
+            if keys:
+                yield index, event, keys, True, live, by_category
         if event.location == location:
             sign = 1 if event.op == "malloc" else -1
             live += sign * event.size
             by_category[event.category] += sign * event.size
-            yield index, event, key, False, live, by_category
+            yield index, event, keys, False, live, by_category
 
 
 def slot_peaks(trace: AllocationTrace, location: str = "device") -> dict[SlotKey, Peak]:
     """The peak of each run of one phase, keyed by ``(slot, occurrence)`` (middle layers left out)."""
     peaks: dict[SlotKey, Peak] = {}
-    for index, event, key, starts, live, by_category in slot_walk(trace, location):
-        if key is not None and (starts or live > peaks[key].total):
-            peaks[key] = Peak(live, dict(by_category), index, event.phase)
+    for index, event, keys, starts, live, by_category in slot_walk(trace, location):
+        for key in keys:
+            if starts or live > peaks[key].total:
+                peaks[key] = Peak(live, dict(by_category), index, event.phase)
     return peaks
 
 
