@@ -124,9 +124,12 @@ def _released(model: torch.nn.Module) -> bool:
     return all(p.ds_status.name == "NOT_AVAILABLE" and p.data.numel() == 0 for p in params)
 
 
-def _build(name: str) -> torch.nn.Module:
-    """``build_model("llama")`` or the catalog model ``name``, in fp32."""
-    return build_model("llama", dtype=torch.float32) if name == "llama" else build_catalog_model(name).float()
+THREE_HEADS = {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3}  # 2 and 1 per rank at sp=2
+
+
+def _build(name: str, **config: object) -> torch.nn.Module:
+    """``build_model("llama", **config)`` or the catalog model ``name``, in fp32."""
+    return build_model("llama", dtype=torch.float32, **config) if name == "llama" else build_catalog_model(name).float()
 
 
 def _loaded_under_zero3(config: dict, folder: str) -> torch.nn.Module:
@@ -159,17 +162,18 @@ def _train(
     count: bool = False,
     folder: str = "",
     accumulation: int = 2,
+    config: dict | None = None,
     **zero,
 ) -> dict:
     """2 optimizer steps x ``accumulation`` micro-batches of model ``name`` (:func:`_build`; hf_memo applied with
     ``memo`` unless None), under ZeRO-3 (``zero`` adds to ``zero_optimization``); from ``folder`` if given (see
-    :func:`_loaded_under_zero3`). Its losses, router aux losses (if any), gradients before each step, and the
+    :func:`_loaded_under_zero3`; ``config`` overrides the llama config). Its losses, router aux losses (if any), gradients before each step, and the
     number of DeepSpeed leaf modules."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    config = zero3_config(accumulation, **zero)
-    model = _loaded_under_zero3(config, folder) if folder else _build(name)
+    ds_config = zero3_config(accumulation, **zero)
+    model = _loaded_under_zero3(ds_config, folder) if folder else _build(name, **(config or {}))
     if lora:
         model = _lora(model)
     if frozen_embeddings:  # the first layer's hidden states need no gradient
@@ -177,7 +181,7 @@ def _train(
     if memo is not None:
         hf_memo.apply(model, **memo, **CHUNKS, sequence_parallel_size=sp)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
     counter = GatherCounter(_owners(engine.module)) if count else None
     result: dict = {"losses": [], "aux_losses": [], "grads": [], "calls": [], "released": []}
     result["leaves"] = sum(getattr(m, "_z3_leaf", False) for m in engine.module.modules())
@@ -268,6 +272,7 @@ def _variants_worker(rank: int, world: int, folder: str) -> dict:
     return {
         "lora": (_train(rank, None, lora=True), _train(rank, memo, lora=True)),
         "sp=2": (_train(rank, None, sp=2), _train(rank, memo, sp=2)),
+        "sp=2, 3 heads": (_train(rank, None, sp=2, config=THREE_HEADS), _train(rank, memo, sp=2, config=THREE_HEADS)),
         "zero.Init + cpu offload": (_train(rank, None, **offload), _train(rank, memo, **offload)),
         # ZeRO-2 (parameters whole) keeps its gradients readable after one micro-batch per step only
         "zero stage 2": (_train(rank, None, stage=2, accumulation=1), _train(rank, memo, stage=2, accumulation=1)),
