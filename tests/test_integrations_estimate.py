@@ -196,17 +196,19 @@ def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
     from hf_memo.integrations.cluster import Cluster
 
     one = estimate(config_path, 8192, gpu_memory=24 * MiB, modes=["minseq"], search=False, progress=False)
-    cluster = Cluster(num_gpus=8, sequence_parallel=8, zero=3, offload_optimizer=True)
+    with pytest.raises(ValueError, match="sequence_parallel=8 exceeds the model's num_attention_heads=4 .* is 4"):
+        estimate(config_path, 8192, 24 * MiB, cluster=Cluster(num_gpus=8, sequence_parallel=8), search=False)
+    cluster = Cluster(num_gpus=8, sequence_parallel=4, zero=3, offload_optimizer=True)
     eight = estimate(
         config_path, 8192, 24 * MiB, host_memory=64 * MiB, modes=["minseq"], cluster=cluster, progress=False
     )
     single, rank = one.modes["minseq"].footprint.device.by_category, eight.modes["minseq"].footprint.device.by_category
     # every parameter of this tiny model is under ZeRO-3's persistence threshold (1e5 elements): whole on every rank
     assert rank["parameter"] == single["parameter"] and rank["optimizer"] == 0 < single["optimizer"]
-    assert rank["activation"] < single["activation"]  # S / 8 tokens per rank
+    assert rank["activation"] < single["activation"]  # S / 4 tokens per rank
     assert eight.modes["minseq"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
     assert eight.modes["minseq"].binding in ("device", "host", "pinned")
-    assert "8 GPUs (8 per node), sequence parallel 8, ZeRO-3, optimizer offloaded to the host" in eight.table()
+    assert "8 GPUs (8 per node), sequence parallel 4, ZeRO-3, optimizer offloaded to the host" in eight.table()
 
 
 def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes(config_path, monkeypatch):

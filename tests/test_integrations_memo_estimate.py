@@ -1,9 +1,17 @@
 """The memo estimate's alpha grid against the runtime's chunks (the rest of memo_estimate: the estimate tests)."""
 
 import pytest
+from transformers import LlamaConfig
 
 from hf_memo.integrations.fitted import chunk_rows
-from hf_memo.integrations.memo_estimate import MAX_ALPHA_STEPS, alpha_steps
+from hf_memo.integrations.memo_estimate import (
+    MAX_ALPHA_STEPS,
+    Gpu,
+    LayerFlops,
+    alpha_steps,
+    attention_imbalance,
+    step_seconds,
+)
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.runtime.alpha import quantise
 
@@ -19,3 +27,20 @@ def test_every_alpha_of_the_grid_is_whole_chunks_of_the_runtime(seq_len, batch_s
     assert all(chunks % finer for finer in range(steps + 1, MAX_ALPHA_STEPS + 1))
     for j in range(steps + 1):  # the executor runs each alpha as given: nothing is rounded down
         assert quantise(j / steps, chunks) * steps == j * chunks
+
+
+def test_the_busiest_rank_of_an_uneven_head_split_bounds_attention_time():
+    """Qwen2.5-7B (28 query heads) on 8 ranks: rank 0 attends with 4 heads where an even split would be 3.5; the
+    matmuls stay split evenly by tokens."""
+    qwen = LlamaConfig(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4)
+    assert attention_imbalance(qwen, 1) == attention_imbalance(qwen, 4) == attention_imbalance(qwen, 7) == 1.0
+    assert attention_imbalance(qwen, 8) == pytest.approx(8 / 7)
+    flops = LayerFlops(matmul_weights=1000, trainable_weights=1000, attention_width=3584)
+    even, uneven = flops.seconds(1, 4096, 1e12), flops.seconds(1, 4096, 1e12, 8 / 7)
+    assert uneven[2] == pytest.approx(even[2] * 8 / 7)  # the attention core's forward
+    matmuls = 2.0 * 1000 * 4096 / 1e12
+    assert uneven[0] - matmuls == pytest.approx((even[0] - matmuls) * 8 / 7)
+    gpu = Gpu("test", 1e12, 1e9)
+    assert step_seconds("vanilla", flops, 2, 0.0, 1, 4096, gpu, 8 / 7) > step_seconds(
+        "vanilla", flops, 2, 0.0, 1, 4096, gpu
+    )

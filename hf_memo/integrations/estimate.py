@@ -50,6 +50,7 @@ from hf_memo.integrations.memo_estimate import (
     Gpu,
     LayerFlops,
     MemoModel,
+    attention_imbalance,
     gpu_of,
     head_seconds,
     model_flops,
@@ -73,6 +74,7 @@ from hf_memo.integrations.setups import (
     positive_int,
     with_lora,
 )
+from hf_memo.parallel.heads import check_head_counts
 from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.fake_model import FakeSession
@@ -515,7 +517,8 @@ def _mode_estimate(
     if fits:
         k = cluster.sequence_parallel
         head = head_seconds(model, batch, seq_len, job.gpu) / k
-        seconds = step_seconds(mode, flops, layers, head * k, batch, seq_len, job.gpu) / k
+        scale = attention_imbalance(fitted.config, k)  # the busiest rank's attention (uneven head split)
+        seconds = step_seconds(mode, flops, layers, head * k, batch, seq_len, job.gpu, scale) / k
         mfu = model_flops(flops, layers, head * k, batch, seq_len, job.gpu) / k / (seconds * job.gpu.peak_flops)
     result = ModeEstimate(
         mode,
@@ -669,6 +672,10 @@ def estimate(
     host_bytes = None if host_memory is None else parse_bytes(host_memory)
     pinned_bytes = None if pinned_memory is None else parse_bytes(pinned_memory)
     cluster = cluster or Cluster()
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    check_head_counts(cluster.sequence_parallel, heads, kv_heads, "sequence_parallel")
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_memory must be positive, got {gpu_memory!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:

@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, chunk_rows, trace_at
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
+from hf_memo.parallel.heads import HeadSplit
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
@@ -90,10 +91,14 @@ class LayerFlops:
             text.num_attention_heads * head_dim,
         )
 
-    def seconds(self, batch_size: int, seq_len: int, peak_flops: float) -> tuple[float, float, float]:
-        """``(T_f, T_b, T_attn)``: forward, backward (no recompute) and the attention core's forward."""
+    def seconds(
+        self, batch_size: int, seq_len: int, peak_flops: float, attention_scale: float = 1.0
+    ) -> tuple[float, float, float]:
+        """``(T_f, T_b, T_attn)``: forward, backward (no recompute) and the attention core's forward, the attention
+        core's FLOPs times ``attention_scale`` (the busiest rank's share under sequence parallelism:
+        :func:`attention_imbalance`)."""
         tokens = batch_size * seq_len
-        attention = 2.0 * batch_size * seq_len * seq_len * self.attention_width  # causal QK^T and PV
+        attention = 2.0 * batch_size * seq_len * seq_len * self.attention_width * attention_scale  # QK^T and PV
         matmul = 2.0 * self.matmul_weights * tokens
         weight_grads = 2.0 * self.trainable_weights * tokens
         return (
@@ -301,8 +306,10 @@ class MemoModel:
         element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
         tokens = self._batch_size * seq_len
         input_bytes = float(tokens * text.hidden_size * element)
-        k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence
-        whole = self.flops.seconds(self._batch_size, seq_len * k, self.gpu.peak_flops)
+        k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence, the busiest more attention
+        whole = self.flops.seconds(
+            self._batch_size, seq_len * k, self.gpu.peak_flops, attention_imbalance(self.config, k)
+        )
         forward, backward, attention = (t / k for t in whole)
         costs = LayerCosts(
             input_bytes=input_bytes,
@@ -380,12 +387,30 @@ class MemoModel:
         return None
 
 
+def attention_imbalance(config: PretrainedConfig, ranks: int) -> float:
+    """How much longer than an even split attention takes on the busiest of ``ranks`` sequence-parallel ranks:
+    ``⌈h/P⌉ / (h/P)`` (:class:`~hf_memo.parallel.heads.HeadSplit`), 1 on one rank."""
+    if ranks == 1:
+        return 1.0
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return HeadSplit(heads, getattr(text, "num_key_value_heads", None) or heads, ranks).imbalance
+
+
 def step_seconds(
-    mode: str, flops: LayerFlops, layers: int, head_seconds: float, batch_size: int, seq_len: int, gpu: Gpu
+    mode: str,
+    flops: LayerFlops,
+    layers: int,
+    head_seconds: float,
+    batch_size: int,
+    seq_len: int,
+    gpu: Gpu,
+    attention_scale: float = 1.0,
 ) -> float:
     """FLOP-based step time of a mode that does not offload: ``vanilla`` keeps everything, the others
-    recompute every decoder layer's forward in backward (Hugging Face checkpointing)."""
-    forward, backward, _ = flops.seconds(batch_size, seq_len, gpu.peak_flops)
+    recompute every decoder layer's forward in backward (Hugging Face checkpointing); attention's FLOPs times
+    ``attention_scale`` (see :meth:`LayerFlops.seconds`)."""
+    forward, backward, _ = flops.seconds(batch_size, seq_len, gpu.peak_flops, attention_scale)
     recompute = 0.0 if mode == "vanilla" else forward
     return layers * (forward + backward + recompute) + head_seconds
 

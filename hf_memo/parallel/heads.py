@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 
-def check_head_counts(size: int, num_heads: int, num_kv_heads: int) -> None:
-    """Ulysses gives every rank of ``size`` at least one query head: ``size`` must not exceed ``num_heads``.
+def check_head_counts(
+    size: int, num_heads: int, num_kv_heads: int, name: str = "MemoConfig.sequence_parallel_size"
+) -> None:
+    """Ulysses gives every rank of ``size`` at least one query head: ``size`` must not exceed ``num_heads``
+    (``name``: what the user set the degree with, for the error).
 
     Raises:
         ValueError: naming the degree, the head count and the largest degree this model accepts.
@@ -34,7 +37,7 @@ def check_head_counts(size: int, num_heads: int, num_kv_heads: int) -> None:
         )
     if size > num_heads:
         raise ValueError(
-            f"MemoConfig.sequence_parallel_size={size} exceeds the model's num_attention_heads={num_heads} (Ulysses "
+            f"{name}={size} exceeds the model's num_attention_heads={num_heads} (Ulysses "
             f"gives every rank at least one query head); the largest degree for this model is {num_heads}"
         )
 
