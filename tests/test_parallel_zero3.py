@@ -167,8 +167,8 @@ def _train(
 ) -> dict:
     """2 optimizer steps x ``accumulation`` micro-batches of model ``name`` (:func:`_build`; hf_memo applied with
     ``memo`` unless None), under ZeRO-3 (``zero`` adds to ``zero_optimization``); from ``folder`` if given (see
-    :func:`_loaded_under_zero3`; ``config`` overrides the llama config). Its losses, router aux losses (if any), gradients before each step, and the
-    number of DeepSpeed leaf modules."""
+    :func:`_loaded_under_zero3`; ``config`` overrides the llama config). Its losses, router aux losses (if any),
+    gradients before each step, and the number of DeepSpeed leaf modules."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
