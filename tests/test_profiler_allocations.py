@@ -3,7 +3,7 @@ import torch
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import unfreed
 from hf_memo.profiler.kernel_workspace import CUDA, PROFILED_TARGET, workspace_hook
-from hf_memo.profiler.placement import mark_host, mark_owned
+from hf_memo.profiler.placement import mark_host, mark_owned, mark_part
 
 
 def _recorder(phase="layer 0 forward", stage="forward"):
@@ -131,3 +131,27 @@ def test_a_recorder_modelling_a_cuda_targets_workspace_names_that_target_while_i
         with AllocationRecorder(lambda: "other", lambda: "other", workspace_hook(kernels)):
             assert PROFILED_TARGET.get() is named
         assert PROFILED_TARGET.get() is None
+
+
+def test_outputs_within_a_marked_part_are_numbered_by_op_and_the_numbers_restart_with_each_part():
+    phase = ["layer 0 backward"]
+    recorder = AllocationRecorder(lambda: phase[0], lambda: "backward")
+    with recorder:
+        a = torch.ones(4)
+        keep = [a + 1]
+        for kind in ("kept chunk", "recomputed chunk"):
+            mark_part(kind)
+            keep += [a * 2, a * 3, a * 5]  # the same op (after the same op) twice: two places of the part
+        phase[0] = "layer 1 backward"  # a part ends with its phase
+        keep.append(a * 4)
+    sources = [e.source for e in recorder.trace().events if e.op == "malloc"][1:]
+    assert sources == [
+        "aten.ones.default > aten.add.Tensor",
+        "aten.add.Tensor > aten.mul.Tensor @ kept chunk #0",
+        "aten.mul.Tensor > aten.mul.Tensor @ kept chunk #0",
+        "aten.mul.Tensor > aten.mul.Tensor @ kept chunk #1",
+        "aten.mul.Tensor > aten.mul.Tensor @ recomputed chunk #0",
+        "aten.mul.Tensor > aten.mul.Tensor @ recomputed chunk #1",
+        "aten.mul.Tensor > aten.mul.Tensor @ recomputed chunk #2",
+        "aten.mul.Tensor > aten.mul.Tensor",
+    ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -113,6 +114,8 @@ class AllocationRecorder(TorchDispatchMode):
         self._sources: dict[int, str] = {}  # trace id -> the op whose output it first was
         self._op: tuple[str, str] | None = None  # the op before the one being dispatched, and that one
         self._previous_op = ""
+        self._part: tuple[str, str] | None = None  # (phase, name) of the part the runtime marked last
+        self._part_ordinals: Counter[str] = Counter()  # outputs of each op so far in that part
         self._original_resize = torch.UntypedStorage.resize_
         self._recording = False
         self._stage_starts: dict[str, int] = {}
@@ -131,10 +134,23 @@ class AllocationRecorder(TorchDispatchMode):
         self._ids[storage] = tensor_id
         self._refs[tensor_id] = weakref.ref(storage, partial(self._on_death, tensor_id))
         if self._op is not None:
-            self._sources[tensor_id] = " > ".join(self._op)
+            self._sources[tensor_id] = self._source(" > ".join(self._op), phase)
         self._retag(storage, tensor_id)
         self._events.append(("malloc", tensor_id, phase))
         return tensor_id
+
+    def _source(self, op: str, phase: str) -> str:
+        """``op``, and within a part the runtime marked in ``phase`` (:func:`~.placement.mark_part`), which
+        part and the how-manyth output of ``op`` in it this is: ``"a > b @ part #2"``."""
+        if self._part is None or self._part[0] != phase:
+            return op
+        ordinal = self._part_ordinals[op]
+        self._part_ordinals[op] += 1
+        return f"{op} @ {self._part[1]} #{ordinal}"
+
+    def _on_part(self, name: str) -> None:
+        self._part = (self._phase(), name)
+        self._part_ordinals.clear()
 
     def _free(self, tensor_id: int) -> None:
         if tensor_id not in self._refs:
@@ -228,6 +244,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._recording = True
         torch.UntypedStorage.resize_ = self._resize_recording()  # type: ignore[method-assign]
         placement.add_tag_watcher(self._on_tag)
+        placement.add_part_watcher(self._on_part)
         self._target = PROFILED_TARGET.set(getattr(self._workspace, "target", None))
         return super().__enter__()
 
@@ -235,6 +252,7 @@ class AllocationRecorder(TorchDispatchMode):
         super().__exit__(*exc)
         PROFILED_TARGET.reset(self._target)
         placement.remove_tag_watcher(self._on_tag)
+        placement.remove_part_watcher(self._on_part)
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         gc.collect(0)
         if self._gc_was_enabled:

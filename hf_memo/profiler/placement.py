@@ -1,8 +1,9 @@
 """Tags the runtime puts on tensor storages, so a profile can tell where a tensor lives and who owns it.
 
 The host pool marks the buffers it hands out as host memory; buffers hf_memo allocates for itself
-(rounding buffers, prefetch buffers, ...) are marked with a stable name the memory planner can key
-offsets by. Tags are weak: they disappear with the storage.
+(prefetch buffers, ...) are marked with a stable name the memory planner can key offsets by. Tags are
+weak: they disappear with the storage. The runtime also marks where a repeating part of a layer's work
+starts (:func:`mark_part`), so a profile can tell the same op at different places of a chunk apart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 _HOST = WeakIdKeyDictionary()
 _NAMES = WeakIdKeyDictionary()
 _WATCHERS: list[Callable[[torch.UntypedStorage], None]] = []
+_PART_WATCHERS: list[Callable[[str], None]] = []
 
 
 def add_tag_watcher(watcher: Callable[[torch.UntypedStorage], None]) -> None:
@@ -25,6 +27,24 @@ def add_tag_watcher(watcher: Callable[[torch.UntypedStorage], None]) -> None:
 def remove_tag_watcher(watcher: Callable[[torch.UntypedStorage], None]) -> None:
     """Stop calling ``watcher``."""
     _WATCHERS.remove(watcher)
+
+
+def add_part_watcher(watcher: Callable[[str], None]) -> None:
+    """Call ``watcher(name)`` whenever the runtime marks the start of a part (see :func:`mark_part`)."""
+    _PART_WATCHERS.append(watcher)
+
+
+def remove_part_watcher(watcher: Callable[[str], None]) -> None:
+    """Stop calling ``watcher``."""
+    _PART_WATCHERS.remove(watcher)
+
+
+def mark_part(name: str) -> None:
+    """Record that a part of a layer's work that repeats starts now (``name`` says which kind, e.g. the backward of
+    a chunk whose activations were kept): a profile numbers each op's outputs within the part, so the same op at
+    two places of every chunk makes two moments, not one. Nothing happens when nothing profiles."""
+    for watcher in _PART_WATCHERS:
+        watcher(name)
 
 
 def _tagged(storage: torch.UntypedStorage) -> None:

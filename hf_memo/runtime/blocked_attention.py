@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.minseq.grads import summing_dtype
 from hf_memo.profiler.kernel_workspace import PROFILED_TARGET, AttentionCall, needs_kv_expansion
+from hf_memo.profiler.placement import mark_part
 from hf_memo.runtime.attention_core import (
     AttentionStats,
     attention_backward,
@@ -97,6 +98,7 @@ def block_forward(
     out, stats = attention_forward(q, k[:, :, start:], v[:, :, start:], kernel_traits)
     lse = stats.lse[..., :rows]  # the memory-efficient kernel pads it
     if start > 0:
+        mark_part("attention forward over a prefix")
         prefix_out, prefix_stats = attention_forward(q, k[:, :, :start], v[:, :, :start], kernel_traits, causal=False)
         prefix_lse = prefix_stats.lse[..., :rows]
         total = torch.logaddexp(lse, prefix_lse)
@@ -191,6 +193,7 @@ def block_backward(
         head_groups = [(slice(None), slice(None))]
     for qh, kv in head_groups:
         for index, (keys, causal) in enumerate(_parts(start, k.shape[2])):
+            mark_part("attention backward over the block's own keys" if causal else "attention backward over a prefix")
             _part_backward_into(
                 (dq[:, qh], dk[:, kv, keys], dv[:, kv, keys]),
                 index > 0,

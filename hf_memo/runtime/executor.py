@@ -43,6 +43,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from hf_memo.minseq.grads import GradSum
 from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
+from hf_memo.profiler.placement import mark_part
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
 from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable, key_grad_sums
@@ -260,6 +261,7 @@ class MemoLayerFunction(torch.autograd.Function):
         ctx.pre_graphs, ctx.pre_replays, ctx.qkv_refs = [], [], []
         with torch.enable_grad(), hooks:
             for start, stop in offloaded:
+                mark_part("kept chunk projection")
                 x_in = _Source.apply(anchor, _rows(x, start, stop))
                 outputs = split.project(x_in, start, stop)
                 ctx.pre_graphs.append((get_gradient_edge(x_in), [get_gradient_edge(t) for t in outputs]))
@@ -269,11 +271,13 @@ class MemoLayerFunction(torch.autograd.Function):
                 del outputs
         with torch.no_grad():
             for start, stop in recomputed:
+                mark_part("recomputed chunk projection")
                 ctx.pre_replays.append(ReplayState.capture(x.device))
                 qkv.write(start, stop, split.project(_rows(x, start, stop), start, stop))
         q, k, v = qkv.tensors
         del qkv
         ctx.attention_replay = None if keep_attention else ReplayState.capture(x.device)
+        mark_part("attention")
         out, stats = core.forward(q, k, v, split.traits)
         runtime.attention_ran()
         del q, k, v
@@ -289,6 +293,7 @@ class MemoLayerFunction(torch.autograd.Function):
         y, sides = None, []
         ctx.post_graphs, ctx.post_replays = [], []
         for chunk, (start, stop) in enumerate(bounds):
+            mark_part("kept chunk finish" if chunk < len(offloaded) else "recomputed chunk finish")
             if chunk < len(offloaded):
                 with torch.enable_grad(), post_hooks:
                     x_in = _Source.apply(anchor, _rows(x, start, stop))
@@ -441,17 +446,21 @@ def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, gr
     tensors die on return."""
     traits = ctx.split.traits
     start, stop = ctx.bounds[chunk]
+    offloaded = chunk < ctx.alpha_chunks
+    kind = "kept" if offloaded else "recomputed"
+    mark_part(f"{kind} chunk backward")
     x_rows = _rows(x, start, stop)
     graph = _project_graph(ctx, chunk, x_rows, keep)
-    offloaded = chunk < ctx.alpha_chunks
     q_rows = ctx.stash.rebuild(ctx.qkv_refs[chunk][0]) if offloaded else graph[1][0].detach()
     prefix = tuple(t[:, :, :stop] for t in keys)
     if ctx.keep_attention:
         out_rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
     else:
+        mark_part("attention forward")
         out_rows, lse_rows = block_forward(q_rows, *prefix, start, traits)
         if ctx.alpha_chunks:
             out[:, :, start:stop] = out_rows
+    mark_part(f"{kind} chunk finish backward")
     grad_finish, grad_o = _finish_backward(
         ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
     )
@@ -459,6 +468,7 @@ def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, gr
     dq, dsinks = block_backward(grad_out, q_rows, *prefix, out_rows, lse_rows, start, traits, *key_grads)
     del grad_o, grad_out, out_rows, lse_rows, q_rows
     _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
+    mark_part(f"{kind} chunk project backward")
     grads_qkv = [dq, *(g[:, :, start:stop].to(t.dtype) for g, t in zip(key_grads, keys))]
     del dq
     grad_project = _project_backward(ctx, graph, grads_qkv, sums)
