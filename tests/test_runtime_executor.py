@@ -323,7 +323,8 @@ def test_the_input_gradient_takes_the_inputs_memory_only_where_nothing_else_read
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     if held:
         assert torch.equal(kept[0], x)  # the caller's tensor keeps its values
-    # A swapped layer's input comes back in a buffer of its own, which the gradient takes; a device layer's input
-    # is the caller's tensor, taken only when the caller let go of it.
-    same = _Copy.addresses["grad"] == _Copy.addresses["output"]
-    assert same == (index == 2 and not held)
+    # A device layer's input is the caller's tensor, taken only when the caller let go of it. (A swapped layer's
+    # input comes back in a buffer of its own, which the gradient takes; the caller's tensor was freed after its
+    # copy to the host, so that buffer may sit at the same address: no address tells the two apart there.)
+    if index == 2:
+        assert (_Copy.addresses["grad"] == _Copy.addresses["output"]) == (not held)
