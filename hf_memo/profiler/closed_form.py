@@ -144,6 +144,8 @@ class ClosedForm:
         sized /= np.array([size.stretch for size, _ in samples])[:, None, None]  # as if sized for the step itself
         shape = (self.width, len(keys), len(CATEGORIES))
         self._keys: list[MomentKey] = keys
+        self._slots = sorted({slot for slot, _, _ in keys})  # a size asks each slot its phase once, not each moment
+        self._slot_of_key = np.array([self._slots.index(slot) for slot, _, _ in keys], dtype=np.int64)
         self._coefficients = np.linalg.lstsq(features, unsized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
         self._sized = np.linalg.lstsq(features, sized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
 
@@ -154,10 +156,11 @@ class ClosedForm:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
         coefficients = self._coefficients + size.stretch * self._sized
         values = np.rint(np.einsum("f,fkc->kc", x, coefficients)).astype(np.int64)
-        phases = [size.phase(slot) for slot, _, _ in self._keys]
-        totals = np.where([phase is not None for phase in phases], values.sum(axis=1), 0)  # slots it has
+        phases = [size.phase(slot) for slot in self._slots]
+        has = np.array([phase is not None for phase in phases])[self._slot_of_key]  # the slots this size has
+        totals = np.where(has, values.sum(axis=1), 0)
         best = int(np.argmax(totals))
         if totals[best] <= 0:
             return Peak(0)
         by_category = {c: int(v) for c, v in zip(CATEGORIES, values[best])}
-        return Peak(int(totals[best]), by_category, -1, phases[best])
+        return Peak(int(totals[best]), by_category, -1, phases[self._slot_of_key[best]])
