@@ -193,6 +193,24 @@ def run(case: Case) -> float:
     return worst
 
 
+def attends_across_packed_samples(case: Case) -> bool:
+    """Whether the unpatched model of a ``"packed"`` ``case`` lets graph 0's packed samples attend to each other:
+    its last sample's logits in the packed row differ from the sample's alone (what hf_memo's refusal of such a
+    model's packed batches rests on, checked here without hf_memo)."""
+    _, reference = _models(case)
+    batch = _batch(case, 0)
+    last = int((batch["position_ids"][0] == 0).nonzero()[-1])
+    reference.eval()
+    with torch.no_grad():
+        packed = reference(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        alone = reference(input_ids=batch["input_ids"][:, last:], use_cache=False)
+    difference = (packed.logits[:, last:] - alone.logits).abs().max()
+    return bool(difference > 1e-4 * alone.logits.abs().max())  # far above fp32 softmax rounding (1e-7)
+
+
+PACKING_REFUSAL = "builds its attention masks without the position_ids"  # hf_memo.patches.mask_packing
+
+
 TOLERANCE = 1e-8  # relative to each gradient's largest element, fp64
 GRADIENT_FLOOR = 1e-6  # a gradient whose largest element is below this is compared absolutely (rounding noise)
 

@@ -30,6 +30,7 @@ from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.inplace_probe import writes_into_kept_outputs
 from hf_memo.patches.layer_split import GenericSplit, LayerArguments, eval_mode, find_anatomy, outputs_not_recorded
+from hf_memo.patches.mask_packing import masks_see_packing
 from hf_memo.patches.packing import describe_training_batch
 from hf_memo.patches.router_logits import (
     RouterLogitsSplit,
@@ -157,7 +158,8 @@ def causal_lm_forward(
     backbone = getattr(model, model.base_model_prefix)
     deferral.active = True  # the norm runs per chunk in the loss: only its input is kept for backward
     try:
-        outputs = backbone(**arguments, **extra)
+        with masks_see_packing(model.config.model_type, arguments):
+            outputs = backbone(**arguments, **extra)
     finally:
         deferral.active = False
     hidden = outputs.last_hidden_state
@@ -208,7 +210,9 @@ def backbone_forward(
     arguments = _bound_arguments(inner, args, kwargs)
     if "use_cache" in inspect.signature(inner).parameters:
         arguments["use_cache"] = False
-    return inner(**describe_training_batch(model, arguments, None, {}))
+    arguments = describe_training_batch(model, arguments, None, {})
+    with masks_see_packing(model.config.model_type, arguments):
+        return inner(**arguments)
 
 
 def _original_forward(
