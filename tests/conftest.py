@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -156,3 +157,23 @@ class ShapeRecorder:
     def largest(self) -> int:
         """Element count of the largest tensor produced."""
         return max((int(torch.Size(s).numel()) for s in self.shapes), default=0)
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of any size in this process (as rank ``rank``, 0 unless given): collectives move
+    nothing, tensors keep their shapes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    sizes = []
+
+    def world(size, rank=0):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+        sizes.append(size)
+        return dist.group.WORLD
+
+    yield world
+    if sizes:
+        dist.destroy_process_group()

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import LlamaConfig
 
 from hf_memo.integrations import cli
@@ -163,26 +162,6 @@ def _core_peaks(core, batch, heads, kv_heads, seq_len, head_dim):
     _, stats = core.forward(q, k, v, traits)
     backward = _extra_peak(lambda: core.backward(grad, q, k, v, out, stats, traits), grad, q, k, v, out, stats.lse)
     return forward, backward
-
-
-@pytest.fixture
-def fake_world():
-    """A fake process group of any size in this process (as rank ``rank``, 0 unless given): collectives move
-    nothing, tensors keep their shapes."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    sizes = []
-
-    def world(size, rank=0):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
-        sizes.append(size)
-        return dist.group.WORLD
-
-    yield world
-    if sizes:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

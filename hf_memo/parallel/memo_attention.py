@@ -51,21 +51,21 @@ class UlyssesAttention:
             return traits
         return replace(traits, sinks=traits.sinks[heads.start : heads.stop])
 
-    def _exchange(
-        self, split: HeadSplit, rank: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``(B, h | kv, S / sp, D)`` -> this rank's heads of the whole sequence, KV heads repeated where
-        the split asks for it."""
-        q = scatter_heads_gather_sequence(q, split.queries, self.group)
-        k, v = (repeat_kv_heads(scatter_heads_gather_sequence(x, split.kvs, self.group), split, rank) for x in (k, v))
-        return q, k, v
+    def _gathered(self, split: HeadSplit, rank: int, shard: torch.Tensor, kv: bool) -> torch.Tensor:
+        """A shard ``(B, h | kv, S / sp, D)`` of q, out or their gradient (``kv``: of k or v) -> this rank's heads of
+        the whole sequence, KV heads repeated where the split asks for it."""
+        if not kv:
+            return scatter_heads_gather_sequence(shard, split.queries, self.group)
+        return repeat_kv_heads(scatter_heads_gather_sequence(shard, split.kvs, self.group), split, rank)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]:
         split, rank = self._split(q, k)
         local = self._local(traits, split.query(rank))
-        out, stats = self.core.forward(*self._exchange(split, rank, q, k, v), local)
+        q, k, v = (self._gathered(split, rank, t, kv) for t, kv in ((q, False), (k, True), (v, True)))
+        out, stats = self.core.forward(q, k, v, local)
+        del q, k, v
         return gather_heads_scatter_sequence(out, split.queries, split.heads, self.group), stats
 
     def backward(
@@ -78,16 +78,22 @@ class UlyssesAttention:
         stats: AttentionStats,
         traits: AttentionTraits,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        split, rank = self._split(q, k)
+        return self.backward_releasing([grad_out, q, k, v, out], stats, traits)
+
+    def backward_releasing(
+        self, tensors: list[torch.Tensor | None], stats: AttentionStats, traits: AttentionTraits
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`backward` of ``tensors`` ``[grad_out, q, k, v, out]`` (this rank's shards), each entry set to
+        ``None`` once it is exchanged: a shard the caller no longer holds is freed before the inner core's backward,
+        so the rank holds one layout of them, not two, while it runs."""
+        split, rank = self._split(tensors[1], tensors[2])
         heads = split.query(rank)
-        grad_out = scatter_heads_gather_sequence(grad_out, split.queries, self.group)
-        dq, dk, dv, local_dsinks = self.core.backward(
-            grad_out,
-            *self._exchange(split, rank, q, k, v),
-            scatter_heads_gather_sequence(out, split.queries, self.group),
-            stats,
-            self._local(traits, heads),
-        )
+        exchanged = []
+        for index in range(len(tensors)):
+            exchanged.append(self._gathered(split, rank, tensors[index], kv=index in (2, 3)))
+            tensors[index] = None
+        dq, dk, dv, local_dsinks = self.core.backward(*exchanged, stats, self._local(traits, heads))
+        del exchanged
         dsinks = None
         if local_dsinks is not None:
             dsinks = local_dsinks.new_zeros(split.heads)

@@ -84,7 +84,9 @@ class AttentionCore(Protocol):
     """Causal attention as a forward/backward pair on ``(B, h, S, D)`` tensors (see :mod:`.attention_core`).
 
     ``backward`` returns ``(dq, dk, dv, dsinks)``: ``dsinks`` is the ``(h,)`` gradient of ``traits.sinks``
-    (``None`` without sinks), which the executor adds to that parameter's gradient.
+    (``None`` without sinks), which the executor adds to that parameter's gradient. A core may also offer
+    ``backward_releasing(tensors, stats, traits)``, the same on ``tensors = [grad_out, q, k, v, out]``, setting each
+    entry to ``None`` once it no longer needs it (e.g. after an exchange): the executor then holds none of them.
     """
 
     def forward(
@@ -499,10 +501,17 @@ def _whole_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> tor
         )
     if q is None:
         q, k, v = _rebuild_qkv(ctx, x)
-    grad_out = grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2)
-    dq, dk, dv, dsinks = ctx.core.backward(grad_out, q, k, v, out, stats, split.traits)
+    if ctx.recomputed_out is not None:
+        ctx.recomputed_out.value = None  # read by the finish graphs only, which are done
+    held = [grad_o.view(*grad_o.shape[:2], q.shape[1], -1).transpose(1, 2), q, k, v, out]
+    del grad_o, o_rows, q, k, v, out
+    releasing = getattr(ctx.core, "backward_releasing", None)
+    if releasing is not None:  # a core that exchanges its inputs frees each one the layer no longer holds
+        dq, dk, dv, dsinks = releasing(held, stats, split.traits)
+    else:
+        dq, dk, dv, dsinks = ctx.core.backward(*held, stats, split.traits)
+    del held
     _add_sinks_grad(sums, ctx.saved_tensors, split.traits.sinks, dsinks)
-    del q, k, v, grad_o, grad_out, out, o_rows
     for chunk, (start, stop) in enumerate(ctx.bounds):
         grads_qkv = [t[:, :, start:stop] for t in (dq, dk, dv)]
         graph = _project_graph(ctx, chunk, _rows(x, start, stop), keep)
