@@ -15,7 +15,11 @@ itself allocates) and an H100 with flash-attn (the CUDA kernels' workspace added
 :mod:`hf_memo.profiler.kernel_workspace`): what the kernels add at the worst moment is the difference of the two,
 and the largest workspace the kernels hold at once, anywhere in the step, is reported beside it.
 
+With ``--sequence-parallel K`` the profile is of rank 0 of ``K`` (hf_memo's Ulysses code under a fake process
+group), ``--seq-len`` being the rank's positions and U the rank's hidden state.
+
     python benchmarks/memo_working_set.py                      # 262,144 tokens, writes benchmarks/results/<date>-cpu/
+    python benchmarks/memo_working_set.py --sequence-parallel 8   # rank 0 of 8, 262,144 positions per rank
     python benchmarks/memo_working_set.py --tiny --out /tmp/x  # seconds-long smoke run
 """
 
@@ -102,14 +106,18 @@ def working_set(trace: AllocationTrace, stash: int, unit: int) -> dict:
     return worst
 
 
-def profile(config, seq_len: int, keep_attention: bool, kernels: str) -> dict:
+def profile(config, seq_len: int, keep_attention: bool, kernels: str, sequence_parallel: int = 1) -> dict:
     profiler = StepProfiler(
         config,
-        lambda model, session: (memo_with_policy(policy(keep_attention))(model), model)[1],
+        lambda model, session: (
+            memo_with_policy(policy(keep_attention), sequence_parallel=sequence_parallel)(model),
+            model,
+        )[1],
         torch.bfloat16,
         optimizer="adamw",
         fresh=True,
         kernels=kernels,
+        sequence_parallel=sequence_parallel,
     )
     trace = profiler.trace(seq_len)
     unit = 2 * config.hidden_size * seq_len
@@ -120,6 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Llama, for a smoke run")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens (default 262144; tiny: 2048)")
+    parser.add_argument("--sequence-parallel", type=int, default=1, help="profile rank 0 of this many (default 1)")
     add_out_option(parser)
     args = parser.parse_args()
     _, out = results_folder(args.out)
@@ -129,10 +138,15 @@ def main() -> None:
     rows = {}
     for keep_attention in (False, True):
         name = "X + attention" if keep_attention else "X only"
-        rows[name] = {kernels: profile(config, seq_len, keep_attention, kernels) for kernels in ("cpu", "cuda")}
+        rows[name] = {
+            kernels: profile(config, seq_len, keep_attention, kernels, args.sequence_parallel)
+            for kernels in ("cpu", "cuda")
+        }
+    sp = args.sequence_parallel
+    where = f"rank 0 of {sp} (sequence parallel), {seq_len} positions per rank" if sp > 1 else f"{seq_len} tokens"
     lines = [
         f"# Memo's device working set: {LAYERS} Llama-3-8B-shaped layers (2 on the host, 2 on the device), "
-        f"{seq_len} tokens, bf16, AdamW",
+        f"{where}, bf16, AdamW",
         "",
         "U = one hidden state (2 x hidden bytes per token). Beyond the model states and the live device stashes.",
         "",
@@ -151,8 +165,10 @@ def main() -> None:
         for kernels, worst in row.items():
             lines += ["", f"## {name}, {kernels}: alive at the worst moment ({worst['phase']})", ""]
             lines += [f"- {a['U']} U: {a['op']} ({a['phase']})" for a in worst["alive"]]
-    (out / "memo_working_set.json").write_text(json.dumps({"seq_len": seq_len, "rows": rows}, indent=2))
-    (out / "memo_working_set.md").write_text("\n".join(lines) + "\n")
+    stem = "memo_working_set" if sp == 1 else f"memo_working_set_sp{sp}"
+    record = {"seq_len": seq_len, "sequence_parallel": sp, "rows": rows}
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

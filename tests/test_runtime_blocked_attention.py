@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from hf_memo.minseq.chunking import chunk_bounds
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.kernel_workspace import KernelTarget, workspace_hook
 from hf_memo.runtime import attention_core, blocked_attention, flash_attn_package
@@ -162,6 +163,32 @@ def test_on_flash_attn_the_backward_runs_once_per_kv_head_and_stays_exact(monkey
     _assert_close(grads, want_grads, 1e-12)
     blocks = -(-SEQ // 7)
     assert stand_in.backward_heads == [(2, 1)] * (2 * (2 * blocks - 1))  # 2 KV heads x (diagonal + prefix)
+
+
+@pytest.mark.parametrize("blocks", [3, 5])
+def test_on_flash_attn_the_query_block_core_expands_one_blocks_keys_per_call_and_stays_exact(monkeypatch, blocks):
+    """After a sequence-parallel exchange a rank attends all keys of its heads: each block's prefix goes to the
+    kernel in pieces of the block's length, so the expanded dK/dV never hold more keys than one block."""
+    q, k, v, upstream = _inputs(2, 4, 2, bshd=True)
+    traits = AttentionTraits(0.4, softcap=1.5, sinks=_sinks(4))
+    want_out, want_stats = attention_forward(q, k, v, traits)
+    want = attention_backward(upstream, q, k, v, want_out, want_stats, traits)
+    stand_in = _FlashAttnOnCpu()
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: stand_in)
+    for module in (attention_core, blocked_attention):
+        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True: "flash-attn")
+    keys = []
+    backward = stand_in._flash_attn_backward
+    monkeypatch.setattr(
+        stand_in, "_flash_attn_backward", lambda **call: (keys.append(call["k"].shape[1]), backward(**call))
+    )
+    core = QueryBlockAttention(blocks)
+    out, stats = core.forward(q, k, v, traits)
+    _assert_close(core.backward(upstream, q, k, v, out, stats, traits), want, 1e-12)
+    longest = -(-SEQ // blocks)
+    assert max(keys) == longest < SEQ // 2
+    pieces = sum(1 + -(-start // (stop - start)) * (start > 0) for start, stop in chunk_bounds(SEQ, blocks))
+    assert len(keys) == 2 * pieces  # each KV head: every block's own keys and its prefix's pieces
 
 
 @pytest.mark.parametrize(

@@ -68,9 +68,15 @@ def _kernel_traits(traits: AttentionTraits, length: int) -> AttentionTraits:
     return replace(traits, window=None, sinks=None)
 
 
-def _parts(start: int, length: int) -> list[tuple[slice, bool]]:
-    """The prefix's key parts and whether each is causal: the block's own keys, then ``[0, start)`` if any."""
-    return [(slice(start, length), True)] + ([(slice(0, start), False)] if start > 0 else [])
+def _parts(start: int, length: int, piece: int | None = None) -> list[tuple[slice, bool]]:
+    """The prefix's key parts and whether each is causal: the block's own keys, then ``[0, start)`` if any, cut
+    into pieces of at most ``piece`` keys if given."""
+    own = [(slice(start, length), True)]
+    if start == 0:
+        return own
+    if piece is None:
+        return own + [(slice(0, start), False)]
+    return own + [(slice(a, b), False) for a, b in chunk_bounds(start, -(-start // piece))]
 
 
 @torch.no_grad()
@@ -162,6 +168,7 @@ def block_backward(
     traits: AttentionTraits,
     dk_sum: torch.Tensor,
     dv_sum: torch.Tensor,
+    prefix_piece: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of :func:`block_forward` from its ``out`` and ``lse``: ``(dq, dsinks)``, and the block's part of the
     prefix keys' gradients added to ``dk_sum`` and ``dv_sum``.
@@ -173,6 +180,9 @@ def block_backward(
         dk_sum, dv_sum: ``(B, h_kv, >= start + s, D)`` running sums of the keys' and values' gradients over blocks
             (e.g. in float32 for half inputs): the kernels' gradients are added to their first ``start + s`` rows
             as each call returns them, so no gradient of the whole prefix is allocated.
+        prefix_piece: on a kernel whose backward expands dK/dV (or K/V) to the query heads, the keys before the block
+            go to it in pieces of at most this many (each an exact partial, as the two parts are), so what it
+            expands is one piece's keys, not the whole prefix's.
 
     Returns:
         ``dq`` ``(B, h, s, D)`` in ``q``'s dtype; ``dsinks`` ``(h,)`` the block's part of the sinks' gradient
@@ -187,12 +197,14 @@ def block_backward(
     dq = torch.empty_like(q, dtype=q_dtype)
     dk, dv = dk_sum[:, :, : k.shape[2]], dv_sum[:, :, : k.shape[2]]
     groups = q.shape[1] // k.shape[1]
-    if _expands_kv_grads(q, k, v, backend):  # one KV head and its group of query heads per call
+    expands = _expands_kv_grads(q, k, v, backend)
+    if expands:  # one KV head and its group of query heads per call
         head_groups = [(slice(j * groups, (j + 1) * groups), slice(j, j + 1)) for j in range(k.shape[1])]
     else:
         head_groups = [(slice(None), slice(None))]
+    parts = _parts(start, k.shape[2], prefix_piece if expands else None)
     for qh, kv in head_groups:
-        for index, (keys, causal) in enumerate(_parts(start, k.shape[2])):
+        for index, (keys, causal) in enumerate(parts):
             mark_part("attention backward over the block's own keys" if causal else "attention backward over a prefix")
             _part_backward_into(
                 (dq[:, qh], dk[:, kv, keys], dv[:, kv, keys]),
@@ -240,7 +252,8 @@ class QueryBlockAttention:
 
     The memo executor runs its own blocks, one per chunk, for a local core; this core serves where attention runs
     on other rows than the executor's chunks: after a sequence-parallel exchange (each rank's heads of the whole
-    sequence).
+    sequence). A kernel that expands dK/dV gets each block's prefix in pieces of the block's length: a rank of ``P``
+    holds all ``S`` keys of its heads, and one call over them would expand ``P`` times more than the local core's.
     """
 
     def __init__(self, blocks: int = QUERY_BLOCKS) -> None:
@@ -283,7 +296,7 @@ class QueryBlockAttention:
             rows = slice(start, stop)
             dq[:, :, rows], block_dsinks = block_backward(
                 grad_out[:, :, rows], q[:, :, rows], k[:, :, :stop], v[:, :, :stop], out[:, :, rows],
-                stats.lse[:, :, rows], start, traits, dk, dv,
+                stats.lse[:, :, rows], start, traits, dk, dv, prefix_piece=stop - start,
             )  # fmt: skip
             if block_dsinks is not None:
                 dsinks = block_dsinks if dsinks is None else dsinks + block_dsinks
