@@ -12,6 +12,7 @@ from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.placement import mark_host
 from hf_memo.profiler.trace import AllocationTrace
+from hf_memo.profiler.workers import run_side_by_side
 from tests.test_profiler_step import CONFIGS
 
 MiB = 2**20
@@ -25,8 +26,27 @@ def config_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def result(config_path):
-    return estimate(config_path, 4096, gpu_memory=24 * MiB, progress=False, workers=2)  # profiles in 2 processes
+def profiled(config_path):
+    """The module's answer, every mode profiled in 2 processes, and each batch of profile jobs it ran with their
+    traces."""
+    from hf_memo.integrations import estimate as module
+
+    ran = []
+
+    def recording(jobs, workers=None, on_done=None):
+        traces = run_side_by_side(jobs, workers, on_done)
+        ran.append((list(jobs), traces))
+        return traces
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "run_side_by_side", recording)
+        answer = estimate(config_path, 4096, gpu_memory=24 * MiB, progress=False, workers=2)
+    return answer, ran
+
+
+@pytest.fixture(scope="module")
+def result(profiled):
+    return profiled[0]
 
 
 def test_modes_side_by_side_with_the_longest_sequence_that_fits(result):
@@ -211,16 +231,23 @@ def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
     assert "8 GPUs (8 per node), sequence parallel 4, ZeRO-3, optimizer offloaded to the host" in eight.table()
 
 
-def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes(config_path, result, monkeypatch):
-    """The module's answer (every mode, in their order, profiles in 2 processes) against memo and vanilla alone, in
-    the other order, profiled again in this process."""
+def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes(config_path, profiled, monkeypatch):
+    """Profiles made in the module's 2 worker processes equal the same jobs run again here (a sample of every batch:
+    memo's answer is made of such profiles alone), and two modes asked again, in the other order and profiled in
+    this process, give the module's answers."""
     from hf_memo.integrations import estimate as module
 
+    result, ran = profiled
+    assert len(ran) >= 2 and all(len(jobs) == len(traces) for jobs, traces in ran)
+    for jobs, traces in ran:
+        for index in sorted({0, len(jobs) // 2, len(jobs) - 1}):
+            assert jobs[index]() == traces[index], index
     monkeypatch.setattr(module, "_CLOSED_FORMS", {})  # profile everything again
-    again = estimate(config_path, 4096, gpu_memory=24 * MiB, modes=("memo", "vanilla"), workers=1, progress=False)
-    for mode in ("memo", "vanilla"):
+    modes = ("hf-checkpointing", "vanilla")
+    again = estimate(config_path, 4096, gpu_memory=24 * MiB, modes=modes, workers=1, progress=False)
+    for mode in modes:
         assert again.modes[mode].to_dict() == result.modes[mode].to_dict(), mode
-    assert again.modes["memo"].longest_seq_len > again.modes["vanilla"].longest_seq_len
+    assert again.modes["hf-checkpointing"].longest_seq_len > again.modes["vanilla"].longest_seq_len
 
 
 # -- first contact: units, the host memory assumed, the search cap, Hub ids, what LoRA trains -----------------------

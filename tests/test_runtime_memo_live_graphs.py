@@ -58,9 +58,9 @@ def _reference_grads(reference, batches) -> None:
         reference(input_ids=ids, labels=labels).loss.backward()
 
 
-@pytest.mark.parametrize("planner", ["off", "greedy"])
+# Three graphs' six orders hold every order of two of them: the planner's greedy arena runs them only
+@pytest.mark.parametrize("graphs,planner", [(2, "off"), (3, "off"), (3, "greedy")])
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("graphs", [2, 3])
 def test_live_graphs_give_the_unpatched_gradients_in_every_backward_order(graphs, policy, planner):
     model, reference = _models(POLICIES[policy], planner)
     batches = _batches(graphs)
