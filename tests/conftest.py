@@ -177,3 +177,24 @@ def fake_world():
     yield world
     if sizes:
         dist.destroy_process_group()
+
+
+# The longest modules first (seconds on 2 cores, most first): with ``--dist loadscope`` each module goes whole to the
+# next free worker, so the run ends on short modules instead of one worker waiting for the other's long one.
+LONGEST_FIRST = (
+    "test_integrations_policy_footprint.py",
+    "test_benchmarks_suite.py",
+    "test_integrations_estimate.py",
+    "test_integrations_policy_sizing.py",
+    "test_parallel_zero3.py",
+    "test_parallel_causal_lm.py",
+    "test_benchmarks.py",
+    "test_benchmarks_loss_curves.py",
+    "test_runtime_memo_live_graphs.py",
+    "test_integrations_fitted.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every module keeps its own order
