@@ -89,8 +89,8 @@ class UlyssesAttention:
         split, rank = self._split(tensors[1], tensors[2])
         heads = split.query(rank)
         exchanged = []
-        for index in range(len(tensors)):
-            exchanged.append(self._gathered(split, rank, tensors[index], kv=index in (2, 3)))
+        for index, kv in enumerate((False, False, True, True, False)):  # grad_out, q, k, v, out
+            exchanged.append(self._gathered(split, rank, tensors[index], kv))
             tensors[index] = None
         dq, dk, dv, local_dsinks = self.core.backward(*exchanged, stats, self._local(traits, heads))
         del exchanged
