@@ -1,13 +1,21 @@
-"""The sequence-parallel memo attention core frees the shards it has exchanged before its inner core's backward."""
+"""The sequence-parallel memo attention core: it frees the shards it has exchanged before its inner core's backward,
+and a layer's backward in chunks of queries over keys exchanged once matches the unpatched model."""
 
 import gc
 import weakref
+from dataclasses import replace
 
+import pytest
 import torch
 
-from hf_memo.parallel.memo_attention import UlyssesAttention
+import hf_memo
+from hf_memo.parallel.memo_attention import ExchangedQueryBlocks, UlyssesAttention
+from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.runtime.attention_core import AttentionStats
 from hf_memo.runtime.attention_traits import AttentionTraits
+from tests.conftest import make_batch
+from tests.multiprocess import run_processes
+from tests.test_parallel_causal_lm import TEN_HEADS, Case, _averaged_grads, _build, _compare
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 1, 4, 2, 8, 16
 
@@ -47,3 +55,87 @@ def test_a_shard_the_caller_still_holds_stays(fake_world):
     stats = AttentionStats(torch.zeros(BATCH, HEADS // 2, 2 * SEQ))
     UlyssesAttention(group, 2, spy).backward(*held, stats, AttentionTraits(0.25))
     assert spy.alive == [True] * 5
+
+
+# The layers' backward one chunk of queries at a time over keys exchanged once (ExchangedQueryBlocks), on real
+# gloo ranks against the unpatched model: both kinds of layer (input only, input and attention), on the host and
+# on the device, alpha 0 to 1, chunk counts that do not divide the rank's positions, KV heads repeated after the
+# exchange, soft-capped scores and sinks, masked labels and two steps of accumulated gradients.
+X_ONLY, X_ATTN = LayerPolicy(keep_attention=False), LayerPolicy(keep_attention=True)
+HELD_KEYS_POLICIES = {
+    "input only, alpha 0": [replace(X_ONLY, on_host=False)] * 3 + [X_ONLY],
+    "input only, alpha 0.5 and 1": [replace(X_ONLY, alpha=0.5), replace(X_ONLY, alpha=1.0)] * 2,
+    "mixed kinds": [X_ATTN, replace(X_ONLY, alpha=0.5), replace(X_ATTN, on_host=False, alpha=1.0), X_ONLY],
+}
+
+
+def _held_keys_cases(sp: int) -> dict[str, Case]:
+    cases = {}
+    for name, layers in HELD_KEYS_POLICIES.items():
+        memo = {"recompute": "memo", "mlp_chunks": 3, "policy": MemoryPolicy(tuple(layers))}
+        heads = {2: {}, 3: TEN_HEADS}[sp]
+        cases[f"sp={sp}, llama, {name}"] = Case(
+            "llama", *make_batch(2, 17, 0.3), overrides={"num_hidden_layers": 4, **heads}, memo=memo
+        )
+    layers = (X_ONLY, replace(X_ATTN, alpha=0.5), replace(X_ONLY, on_host=False, alpha=1.0))
+    catalog = {"recompute": "memo", "mlp_chunks": 3, "policy": MemoryPolicy(layers)}
+    if sp == 2:
+        cases["sp=2, gemma2 (soft-cap)"] = Case("gemma2", *make_batch(2, 21), memo=catalog, catalog=True)
+        cases["sp=2, gpt_oss (sinks)"] = Case(
+            "gpt_oss", *make_batch(2, 21), overrides={"output_router_logits": False}, memo=catalog, catalog=True
+        )
+    return cases
+
+
+def _held_keys_step(case: Case, sp: int, counted: list[int]) -> dict:
+    model = _build(case)
+    memo = dict(case.memo)
+    policy = memo.pop("policy")
+    hf_memo.apply(model, sequence_parallel_size=sp, lm_head_chunks=2, **memo)
+    hf_memo.memo_runtime(model).assume_policy(MemoryPolicy(policy.layers[: model.config.num_hidden_layers]))
+    before = counted[0]
+    loss = None
+    for half in (slice(0, 1), slice(1, 2)):  # gradient accumulation over the two rows
+        step = model(input_ids=case.ids[half], labels=case.labels[half]).loss
+        step.backward()
+        loss = step.detach() if loss is None else loss + step.detach()
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    blocked = sum(kind != "sliding_attention" for kind in types)  # a window shorter than S is not blocked
+    assert counted[0] - before == 2 * blocked, f"{counted[0] - before} layer backwards in held-key blocks"
+    return {"loss": loss, "grads": _averaged_grads(model)}
+
+
+def _held_keys_worker(rank, world):
+    counted = [0]
+    original = ExchangedQueryBlocks.key_grads
+
+    def counting(self):
+        counted[0] += 1
+        return original(self)
+
+    ExchangedQueryBlocks.key_grads = counting
+    return {name: _held_keys_step(case, world, counted) for name, case in _held_keys_cases(world).items()}
+
+
+def _accumulated_reference(case: Case) -> tuple[torch.Tensor, dict]:
+    model = _build(case)
+    loss = 0
+    for half in (slice(0, 1), slice(1, 2)):
+        step = model(input_ids=case.ids[half], labels=case.labels[half], use_cache=False).loss
+        step.backward()
+        loss = loss + step.detach()
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sp", [2, 3])
+def test_layers_run_their_backward_in_held_key_blocks_and_match_the_unpatched_model(sp):
+    per_rank = run_processes(_held_keys_worker, sp)
+    failures = []
+    for name, case in _held_keys_cases(sp).items():
+        loss, grads = _accumulated_reference(case)
+        for rank, results in enumerate(per_rank):
+            try:
+                _compare(results[name], loss, grads, case, rounded=sp == 3)
+            except AssertionError as error:
+                failures.append(f"{name}, rank {rank}: {error}")
+    assert not failures, "\n".join(failures)

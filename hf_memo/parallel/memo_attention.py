@@ -14,8 +14,9 @@ from hf_memo.parallel.ulysses import (
     scatter_heads_gather_sequence,
     sum_repeated_kv_heads,
 )
-from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
+from hf_memo.runtime.attention_core import AttentionStats, LocalAttention, kernel_window
 from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.blocked_attention import QueryBlockAttention, block_backward, block_forward, key_grad_sums
 from hf_memo.runtime.executor import AttentionCore
 
 
@@ -41,9 +42,9 @@ class UlyssesAttention:
         self.group, self.size = group, size
         self.core = LocalAttention() if core is None else core
 
-    def _split(self, q: torch.Tensor, k: torch.Tensor) -> tuple[HeadSplit, int]:
-        """The split of ``q``'s and ``k``'s heads over the group, and this rank's index in it."""
-        return HeadSplit(q.shape[1], k.shape[1], self.size), dist.get_rank(self.group) if self.size > 1 else 0
+    def _split(self, heads: int, kv_heads: int) -> tuple[HeadSplit, int]:
+        """The split of ``heads`` query and ``kv_heads`` KV heads over the group, and this rank's index in it."""
+        return HeadSplit(heads, kv_heads, self.size), dist.get_rank(self.group) if self.size > 1 else 0
 
     def _local(self, traits: AttentionTraits, heads: range) -> AttentionTraits:
         """``traits`` for this rank's query ``heads``: the sinks sliced to them."""
@@ -58,10 +59,26 @@ class UlyssesAttention:
             return scatter_heads_gather_sequence(shard, split.queries, self.group)
         return repeat_kv_heads(scatter_heads_gather_sequence(shard, split.kvs, self.group), split, rank)
 
+    def blocks_queries(self, length: int, traits: AttentionTraits) -> bool:
+        """Whether a layer's backward on this rank's ``length`` positions may run its attention one chunk of queries
+        at a time (:meth:`query_blocks`): the inner core attends in query blocks and ``traits`` allow blocks over
+        the group's whole sequence (no dropout, no window hiding a key)."""
+        whole = length * self.size
+        return isinstance(self.core, QueryBlockAttention) and traits.dropout_p == 0 and not kernel_window(traits, whole)
+
+    def query_blocks(
+        self, heads: int, keys: list[torch.Tensor | None], lse: torch.Tensor | None, traits: AttentionTraits
+    ) -> ExchangedQueryBlocks:
+        """The attention of a layer with ``heads`` query heads for its backward chunk by chunk
+        (:class:`ExchangedQueryBlocks`), from this rank's ``keys`` ``[k, v]`` (each entry set to ``None`` once
+        exchanged) and, for a layer that kept its attention, the statistics its forward returned (``lse``
+        ``(B, h_r, S)``, in the exchanged layout)."""
+        return ExchangedQueryBlocks(self, heads, keys, lse, traits)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
     ) -> tuple[torch.Tensor, AttentionStats]:
-        split, rank = self._split(q, k)
+        split, rank = self._split(q.shape[1], k.shape[1])
         local = self._local(traits, split.query(rank))
         q, k, v = (self._gathered(split, rank, t, kv) for t, kv in ((q, False), (k, True), (v, True)))
         out, stats = self.core.forward(q, k, v, local)
@@ -86,7 +103,7 @@ class UlyssesAttention:
         """:meth:`backward` of ``tensors`` ``[grad_out, q, k, v, out]`` (this rank's shards), each entry set to
         ``None`` once it is exchanged: a shard the caller no longer holds is freed before the inner core's backward,
         so the rank holds one layout of them, not two, while it runs."""
-        split, rank = self._split(tensors[1], tensors[2])
+        split, rank = self._split(tensors[1].shape[1], tensors[2].shape[1])
         heads = split.query(rank)
         exchanged = []
         for index, kv in enumerate((False, False, True, True, False)):  # grad_out, q, k, v, out
@@ -104,3 +121,108 @@ class UlyssesAttention:
             for g in (dk, dv)
         )
         return dq, dk, dv, dsinks
+
+
+class ExchangedQueryBlocks:
+    """One layer's attention across the group, for a backward that runs chunk by chunk of the rank's positions.
+
+    The keys and values are exchanged once and held, with their gradients' sums (fp32 for half inputs), for the
+    whole backward; each chunk ``[start, stop)`` of the rank's ``s`` positions exchanges only its own rows of q, the
+    output and its gradient. A chunk's rows of every rank arrive side by side: rank ``r``'s are the group's
+    positions ``[r s + start, r s + stop)``, one block of queries each (:func:`block_forward`, :func:`block_backward`)
+    over the key prefix up to it, and the block's dq goes back to its rank at once. dK and dV are final only after
+    the last chunk (queries of later ranks see every key), so :meth:`key_grads` comes after all of them. What the
+    rank holds beyond one chunk: k, v of its heads of the whole sequence and their gradients' sums (the bytes of
+    the rank's k, v, twice for the sums in fp32).
+
+    Shapes: ``q`` and ``out`` rows are ``(B, h, stop - start, D)`` at the rank's positions, all heads.
+    """
+
+    def __init__(
+        self,
+        attention: UlyssesAttention,
+        heads: int,
+        keys: list[torch.Tensor | None],
+        lse: torch.Tensor | None,
+        traits: AttentionTraits,
+    ) -> None:
+        self.attention = attention
+        self.split, self.rank = attention._split(heads, keys[0].shape[1])
+        self.heads = self.split.query(self.rank)
+        self.traits = attention._local(traits, self.heads)
+        exchanged = []
+        for index in range(2):
+            exchanged.append(attention._gathered(self.split, self.rank, keys[index], kv=True))
+            keys[index] = None
+        self.k, self.v = exchanged
+        self.dtypes = (self.k.dtype, self.v.dtype)
+        self.dk, self.dv = key_grad_sums(self.k, self.v)
+        self.positions = self.k.shape[2] // attention.size
+        self.lse = lse
+        self.dsinks: torch.Tensor | None = None
+
+    def _pieces(self, start: int, stop: int) -> list[tuple[slice, int, int]]:
+        """Each rank's rows of chunk ``[start, stop)`` after the exchange: ``(rows, first, last)``, its place among
+        the received rows and its positions ``[first, last)`` in the group's sequence."""
+        s, rows = self.positions, stop - start
+        return [(slice(r * rows, (r + 1) * rows), r * s + start, r * s + stop) for r in range(self.attention.size)]
+
+    def _exchange(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.attention._gathered(self.split, self.rank, rows, kv=False)
+
+    def _return(self, rows: torch.Tensor) -> torch.Tensor:
+        return gather_heads_scatter_sequence(rows, self.split.queries, self.split.heads, self.attention.group)
+
+    def forward(self, q: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The attention output of the chunk's queries ``q`` (recomputed: the layer kept its input only); its
+        statistics are kept for :meth:`backward`."""
+        q = self._exchange(q)
+        batch, heads, rows, _ = q.shape
+        out = None
+        for place, first, last in self._pieces(start, stop):
+            rows_out, lse = block_forward(q[:, :, place], self.k[:, :, :last], self.v[:, :, :last], first, self.traits)
+            if out is None:
+                out = rows_out.new_empty(batch, rows, heads, rows_out.shape[-1]).transpose(1, 2)
+            if self.lse is None:
+                self.lse = lse.new_empty(batch, heads, self.k.shape[2])
+            out[:, :, place], self.lse[:, :, first:last] = rows_out, lse
+        del q
+        return self._return(out)
+
+    def backward(
+        self, grad_out: torch.Tensor, q: torch.Tensor, out: torch.Tensor, start: int, stop: int
+    ) -> torch.Tensor:
+        """dq of the chunk's rows from their output's gradient ``grad_out``, ``q`` and the output; the keys' and
+        values' gradients are added to the sums."""
+        grad_out, q, out = (self._exchange(t) for t in (grad_out, q, out))
+        dq = torch.empty_like(q)
+        for place, first, last in self._pieces(start, stop):
+            dq[:, :, place], dsinks = block_backward(
+                grad_out[:, :, place], q[:, :, place], self.k[:, :, :last], self.v[:, :, :last], out[:, :, place],
+                self.lse[:, :, first:last], first, self.traits, self.dk, self.dv, prefix_piece=self.positions,
+            )  # fmt: skip
+            if dsinks is not None:
+                self.dsinks = dsinks if self.dsinks is None else self.dsinks + dsinks
+        del grad_out, q, out
+        return self._return(dq)
+
+    def key_grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(dk, dv, dsinks)`` once every chunk is done: dk, dv ``(B, h_kv, s, D)`` at the rank's positions (what
+        several ranks return for one KV head summed), ``dsinks`` ``(h,)`` zero outside this rank's heads."""
+        self.k = self.v = self.lse = None
+        split, rank = self.split, self.rank
+        grads = []
+        for name, dtype in zip(("dk", "dv"), self.dtypes):
+            summed = getattr(self, name).to(dtype)
+            setattr(self, name, None)
+            grads.append(
+                gather_heads_scatter_sequence(
+                    sum_repeated_kv_heads(summed, split, rank), split.kvs, split.kv_heads, self.attention.group
+                )
+            )
+            del summed
+        dsinks = None
+        if self.dsinks is not None:
+            dsinks = self.dsinks.new_zeros(split.heads)
+            dsinks[self.heads.start : self.heads.stop] = self.dsinks
+        return grads[0], grads[1], dsinks

@@ -87,6 +87,9 @@ class AttentionCore(Protocol):
     (``None`` without sinks), which the executor adds to that parameter's gradient. A core may also offer
     ``backward_releasing(tensors, stats, traits)``, the same on ``tensors = [grad_out, q, k, v, out]``, setting each
     entry to ``None`` once it no longer needs it (e.g. after an exchange): the executor then holds none of them.
+    A core may also run a layer's backward attention one chunk of queries at a time over keys it holds for the whole
+    backward: ``blocks_queries(length, traits)`` says whether it will for a layer of ``length`` positions, and
+    ``query_blocks(heads, [k, v], lse, traits)`` returns its :class:`QueryBlocks`.
     """
 
     def forward(
@@ -103,6 +106,26 @@ class AttentionCore(Protocol):
         stats: AttentionStats,
         traits: AttentionTraits,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
+class QueryBlocks(Protocol):
+    """A core's attention for one layer's backward, chunk by chunk of queries over keys held throughout (for a
+    core that exchanges them, e.g. across a sequence-parallel group): the keys' gradients are final only after the
+    last chunk. Rows are ``(B, h, stop - start, D)``, the chunk's positions, all heads."""
+
+    def forward(self, q: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The chunk's attention output (its statistics kept for :meth:`backward`)."""
+        ...
+
+    def backward(
+        self, grad_out: torch.Tensor, q: torch.Tensor, out: torch.Tensor, start: int, stop: int
+    ) -> torch.Tensor:
+        """The chunk's dq; its part of the keys' gradients is kept."""
+        ...
+
+    def key_grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(dk, dv, dsinks)`` after every chunk: ``(B, h_kv, S, D)`` each and the sinks' ``(h,)`` or ``None``."""
+        ...
 
 
 class StashSource(Protocol):
@@ -343,7 +366,13 @@ class MemoLayerFunction(torch.autograd.Function):
         wanted = list(ctx.needs_input_grad[7:])
         sums = GradSum(params, wanted)
         x = stash.rebuild(ctx.x_ref)
-        backward = _blocked_backward if _runs_in_blocks(ctx.core, x, ctx.split.traits) else _whole_backward
+        traits = ctx.split.traits
+        if _runs_in_blocks(ctx.core, x, traits):
+            backward = _blocked_backward
+        elif getattr(ctx.core, "blocks_queries", None) is not None and ctx.core.blocks_queries(x.shape[1], traits):
+            backward = _held_keys_backward
+        else:
+            backward = _whole_backward
         grad_x = backward(ctx, x, grad_y, grad_sides, sums, keep)
         stash.release(keep)
         ctx.runtime.backward_done(stash, device)
@@ -476,6 +505,78 @@ def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, gr
     grad_project = _project_backward(ctx, graph, grads_qkv, sums)
     del graph, grads_qkv
     torch.add(grad_finish, grad_project, out=grad_x[:, start:stop])
+
+
+def _queries(ctx, chunk: int, x_rows: torch.Tensor) -> torch.Tensor:
+    """Chunk ``chunk``'s q ``(B, h, s, D)``: stashed (offloaded chunks) or projected again from its rows ``x_rows``
+    ``(B, s, H)`` under the forward's RNG and autocast state, without a graph."""
+    if chunk < ctx.alpha_chunks:
+        return ctx.stash.rebuild(ctx.qkv_refs[chunk][0])
+    start, stop = ctx.bounds[chunk]
+    with torch.no_grad(), ctx.pre_replays[chunk - ctx.alpha_chunks].replay():
+        return ctx.split.project(x_rows, start, stop)[0]
+
+
+def _held_keys_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
+    """The layer's backward with attention one chunk of queries at a time over keys the core holds throughout
+    (:class:`QueryBlocks`): per chunk, ``finish`` backward and the chunk's attention backward (its output recomputed
+    first if the layer keeps its input only), its dq kept; after the last chunk, when the keys' gradients are final,
+    ``project`` backward chunk by chunk. Beside the core's keys, the layer holds dq and the gradient of ``x`` for
+    the whole sequence, one chunk of everything else.
+
+    ``project``'s backward gets dq, dk and dv together, not dq per chunk and dk, dv later: the two calls' sum would
+    round differently where the projection computes in a narrower dtype inside (e.g. an RMSNorm in fp32), and the
+    gradient must be the unpatched model's."""
+    sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
+    traits = ctx.split.traits
+    keys = _rebuild_qkv(ctx, x, keys_only=True)
+    lse = ctx.stash.rebuild(ctx.lse_ref) if ctx.keep_attention else None
+    out = None
+    if ctx.keep_attention:
+        out = ctx.stash.rebuild(ctx.o_ref)
+    elif ctx.alpha_chunks:
+        shape, stride, _ = ctx.recomputed_out.layout
+        out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=x.device)
+        ctx.recomputed_out.value = out
+    if not ctx.keep_attention:
+        ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
+    grad_x = torch.empty_like(x)
+    dq = blocks = None
+    for chunk, (start, stop) in enumerate(ctx.bounds):
+        kind = "kept" if chunk < ctx.alpha_chunks else "recomputed"
+        mark_part(f"{kind} chunk backward")
+        x_rows = _rows(x, start, stop)
+        q_rows = _queries(ctx, chunk, x_rows)
+        if blocks is None:
+            blocks = ctx.core.query_blocks(q_rows.shape[1], keys, lse, traits)
+            del keys, lse
+            dq = q_rows.new_empty(x.shape[0], x.shape[1], *q_rows.shape[1::2]).transpose(1, 2)
+        if ctx.keep_attention:
+            out_rows = out[:, :, start:stop]
+        else:
+            mark_part("attention forward")
+            out_rows = _sequence_major(blocks.forward(q_rows, start, stop))
+            if ctx.alpha_chunks:
+                out[:, :, start:stop] = out_rows
+        mark_part(f"{kind} chunk finish backward")
+        grad_x[:, start:stop], grad_o = _finish_backward(
+            ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
+        )
+        grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
+        dq[:, :, start:stop] = blocks.backward(grad_out, q_rows, out_rows, start, stop)
+        del grad_o, grad_out, out_rows, q_rows
+    del out
+    if ctx.recomputed_out is not None:
+        ctx.recomputed_out.value = None  # read by the finish graphs only, which are done
+    dk, dv, dsinks = blocks.key_grads()
+    del blocks
+    _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
+    for chunk, (start, stop) in enumerate(ctx.bounds):
+        mark_part("chunk project backward")
+        grads_qkv = [t[:, :, start:stop] for t in (dq, dk, dv)]
+        graph = _project_graph(ctx, chunk, _rows(x, start, stop), keep)
+        grad_x[:, start:stop] += _project_backward(ctx, graph, grads_qkv, sums)
+    return grad_x
 
 
 def _whole_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
