@@ -5,7 +5,8 @@ exchange), 2 to 4 layers with a drawn :class:`~hf_memo.planner.policy.LayerPolic
 attention, host or device, alpha 0 to 1), chunk counts that need not divide the rank's positions, a batch (rows,
 length, masked labels, right padding or packed samples) and one or two accumulated micro-batches. The step's loss
 and every gradient (averaged over the group, as DDP does) must equal the unpatched model's on the whole batch (fp64;
-to fp32 rounding at degree 3, where the fp32 cross-entropy's backward runs on 3 x the gradient before the average).
+to fp32 rounding at degree 3, where the fp32 cross-entropy's backward runs on 3 x the gradient before the average,
+bounded on the scale of the model's largest gradient).
 
     python -m tests.randomized_sequence_parallel --count 60 --first 0
 """
@@ -21,6 +22,7 @@ import torch
 import hf_memo
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from tests.conftest import build_model
+from tests.model_catalog import FP32_TOLERANCE
 from tests.multiprocess import run_processes
 from tests.test_parallel_causal_lm import Case, _averaged_grads, _compare
 
@@ -63,9 +65,9 @@ def draw(seed: int) -> Drawn:
     labels = ids.masked_fill(torch.rand(rows, length, generator=gen) < rng.choice((0.0, 0.3, 0.8)), -100)
     kwargs = {}
     layout = rng.choice(("plain", "padded", "packed"))
-    if layout == "padded" and length > 2:
+    if layout == "padded" and length > 3:
         mask = torch.ones_like(ids)
-        cut = rng.randint(1, length - 1)
+        cut = rng.randint(2, length - 1)
         mask[-1, cut:] = 0
         labels[-1, cut:] = -100
         kwargs["attention_mask"] = mask
@@ -75,12 +77,9 @@ def draw(seed: int) -> Drawn:
         positions = torch.cat([torch.arange(n) for n in lengths]).expand(rows, -1).contiguous()
         labels = labels.masked_fill(positions == 0, -100)
         kwargs["position_ids"] = positions
-    if not (labels != -100).any():  # the step needs a target (else the loss is 0 / 0 in both models)
-        kwargs.pop("position_ids", None)
-        if "attention_mask" in kwargs:
-            labels[0, 0] = ids[0, 0]
-        else:
-            labels[0, -1] = ids[0, -1]
+    for row in range(rows):  # each micro-batch needs a target (else its loss is 0 / 0 in both models); a label at
+        if not (labels[row, 1:] != -100).any():  # position 0 is no token's target
+            labels[row, 1] = ids[row, 1]
     policy = tuple(
         LayerPolicy(rng.random() < 0.5, rng.random() < 0.5, rng.choice((0.0, 0.25, 0.5, 1.0))) for _ in range(layers)
     )
@@ -130,6 +129,16 @@ def _reference(drawn: Drawn) -> tuple[torch.Tensor, dict]:
     return loss, {n: p.grad for n, p in model.named_parameters()}
 
 
+def _within_fp32_rounding(got: dict, loss: torch.Tensor, grads: dict) -> None:
+    """The loss to fp32 rounding and every gradient within ``FP32_TOLERANCE`` of the model's largest gradient element:
+    the rounding enters with the loss's gradient and spreads over every parameter, so a gradient that is zero (a query
+    that sees one key: no gradient reaches q and k) is compared on the model's scale, not on its own rounding noise."""
+    torch.testing.assert_close(got["loss"], loss, rtol=1e-6, atol=0)
+    scale = max(float(g.abs().max()) for g in grads.values() if g is not None)
+    for name, want in grads.items():
+        torch.testing.assert_close(got["grads"][name], want, rtol=0, atol=FP32_TOLERANCE * scale, msg=name)
+
+
 def _worker(rank: int, world: int, seeds: list[int]) -> dict[int, dict]:
     return {seed: _sequence_parallel_step(draw(seed)) for seed in seeds}
 
@@ -147,7 +156,10 @@ def search(seeds: range) -> list[str]:
             loss, grads = _reference(drawn)
             for rank, results in enumerate(per_rank):
                 try:
-                    _compare(results[seed], loss, grads, drawn.case, rounded=sp == 3)
+                    if sp == 3:
+                        _within_fp32_rounding(results[seed], loss, grads)
+                    else:
+                        _compare(results[seed], loss, grads, drawn.case)
                 except AssertionError as error:
                     failures.append(f"seed {seed} (sp={sp}, rank {rank}): {str(error).splitlines()[0]}\n  {drawn}")
                     break

@@ -519,28 +519,38 @@ def _queries(ctx, chunk: int, x_rows: torch.Tensor) -> torch.Tensor:
 
 def _held_keys_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
     """The layer's backward with attention one chunk of queries at a time over keys the core holds throughout
-    (:class:`QueryBlocks`): per chunk, ``finish`` backward and the chunk's attention backward (its output recomputed
-    first if the layer keeps its input only), its dq kept; after the last chunk, when the keys' gradients are final,
-    ``project`` backward chunk by chunk. Beside the core's keys, the layer holds dq and the gradient of ``x`` for
-    the whole sequence, one chunk of everything else.
+    (:class:`QueryBlocks`); after the last chunk, when the keys' gradients are final, ``project`` backward chunk by
+    chunk. A layer that keeps its attention output runs every chunk's ``finish`` backward first, keeping the output's
+    gradient, and has the core hold the keys only then, so no chunk's MLP backward meets them; a layer keeping its
+    input only runs each chunk's ``finish`` backward beside its attention (recomputed first, which needs the keys),
+    so the output and its gradient are never held for the whole sequence. Either way the layer holds dq and the
+    gradient of ``x`` for the whole sequence, one chunk of everything else.
 
     ``project``'s backward gets dq, dk and dv together, not dq per chunk and dk, dv later: the two calls' sum would
     round differently where the projection computes in a narrower dtype inside (e.g. an RMSNorm in fp32), and the
     gradient must be the unpatched model's."""
     sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
     traits = ctx.split.traits
-    keys = _rebuild_qkv(ctx, x, keys_only=True)
-    lse = ctx.stash.rebuild(ctx.lse_ref) if ctx.keep_attention else None
-    out = None
+    grad_x = torch.empty_like(x)
+    out = grad_o = None
     if ctx.keep_attention:
         out = ctx.stash.rebuild(ctx.o_ref)
+        o_rows = _attention_rows(out)
+        grad_o = torch.empty_like(o_rows)
+        for chunk, (start, stop) in enumerate(ctx.bounds):
+            mark_part(f"{'kept' if chunk < ctx.alpha_chunks else 'recomputed'} chunk finish backward")
+            grad_x[:, start:stop], grad_o[:, start:stop] = _finish_backward(
+                ctx, chunk, _rows(x, start, stop), _rows(o_rows, start, stop), grad_y, grad_sides, sums, keep
+            )
+        del o_rows
     elif ctx.alpha_chunks:
         shape, stride, _ = ctx.recomputed_out.layout
         out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=x.device)
         ctx.recomputed_out.value = out
     if not ctx.keep_attention:
         ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
-    grad_x = torch.empty_like(x)
+    keys = _rebuild_qkv(ctx, x, keys_only=True)
+    lse = ctx.stash.rebuild(ctx.lse_ref) if ctx.keep_attention else None
     dq = blocks = None
     for chunk, (start, stop) in enumerate(ctx.bounds):
         kind = "kept" if chunk < ctx.alpha_chunks else "recomputed"
@@ -552,20 +562,20 @@ def _held_keys_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) ->
             del keys, lse
             dq = q_rows.new_empty(x.shape[0], x.shape[1], *q_rows.shape[1::2]).transpose(1, 2)
         if ctx.keep_attention:
-            out_rows = out[:, :, start:stop]
+            out_rows, grad_o_rows = out[:, :, start:stop], grad_o[:, start:stop]
         else:
             mark_part("attention forward")
             out_rows = _sequence_major(blocks.forward(q_rows, start, stop))
             if ctx.alpha_chunks:
                 out[:, :, start:stop] = out_rows
-        mark_part(f"{kind} chunk finish backward")
-        grad_x[:, start:stop], grad_o = _finish_backward(
-            ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
-        )
-        grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
+            mark_part(f"{kind} chunk finish backward")
+            grad_x[:, start:stop], grad_o_rows = _finish_backward(
+                ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
+            )
+        grad_out = grad_o_rows.view(*grad_o_rows.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
         dq[:, :, start:stop] = blocks.backward(grad_out, q_rows, out_rows, start, stop)
-        del grad_o, grad_out, out_rows, q_rows
-    del out
+        del grad_o_rows, grad_out, out_rows, q_rows
+    del out, grad_o
     if ctx.recomputed_out is not None:
         ctx.recomputed_out.value = None  # read by the finish graphs only, which are done
     dk, dv, dsinks = blocks.key_grads()
