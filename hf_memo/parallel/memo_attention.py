@@ -59,12 +59,31 @@ class UlyssesAttention:
             return scatter_heads_gather_sequence(shard, split.queries, self.group)
         return repeat_kv_heads(scatter_heads_gather_sequence(shard, split.kvs, self.group), split, rank)
 
+    def _returned(self, split: HeadSplit, rank: int, grad: torch.Tensor, kv: bool) -> torch.Tensor:
+        """The inverse trip of :meth:`_gathered` for a result: ``(B, h_r | kv_r, S, D)`` of this rank's heads (KV heads
+        repeated where the split asks for it) -> ``(B, h | h_kv, S / sp, D)``, what several ranks return for one KV
+        head summed."""
+        if not kv:
+            return gather_heads_scatter_sequence(grad, split.queries, split.heads, self.group)
+        summed = sum_repeated_kv_heads(grad, split, rank)
+        return gather_heads_scatter_sequence(summed, split.kvs, split.kv_heads, self.group)
+
+    @staticmethod
+    def _sinks_grad(split: HeadSplit, heads: range, local: torch.Tensor | None) -> torch.Tensor | None:
+        """The sinks' gradient ``(h,)`` from this rank's ``local`` part ``(len(heads),)``: zero outside its heads."""
+        if local is None:
+            return None
+        grad = local.new_zeros(split.heads)
+        grad[heads.start : heads.stop] = local
+        return grad
+
     def blocks_queries(self, length: int, traits: AttentionTraits) -> bool:
         """Whether a layer's backward on this rank's ``length`` positions may run its attention one chunk of queries
         at a time (:meth:`query_blocks`): the inner core attends in query blocks and ``traits`` allow blocks over
         the group's whole sequence (no dropout, no window hiding a key)."""
         whole = length * self.size
-        return isinstance(self.core, QueryBlockAttention) and traits.dropout_p == 0 and not kernel_window(traits, whole)
+        blockable = traits.dropout_p == 0 and kernel_window(traits, whole) is None
+        return isinstance(self.core, QueryBlockAttention) and blockable
 
     def query_blocks(
         self, heads: int, keys: list[torch.Tensor | None], lse: torch.Tensor | None, traits: AttentionTraits
@@ -111,16 +130,9 @@ class UlyssesAttention:
             tensors[index] = None
         dq, dk, dv, local_dsinks = self.core.backward(*exchanged, stats, self._local(traits, heads))
         del exchanged
-        dsinks = None
-        if local_dsinks is not None:
-            dsinks = local_dsinks.new_zeros(split.heads)
-            dsinks[heads.start : heads.stop] = local_dsinks
-        dq = gather_heads_scatter_sequence(dq, split.queries, split.heads, self.group)
-        dk, dv = (
-            gather_heads_scatter_sequence(sum_repeated_kv_heads(g, split, rank), split.kvs, split.kv_heads, self.group)
-            for g in (dk, dv)
-        )
-        return dq, dk, dv, dsinks
+        dq = self._returned(split, rank, dq, kv=False)
+        dk, dv = (self._returned(split, rank, g, kv=True) for g in (dk, dv))
+        return dq, dk, dv, self._sinks_grad(split, heads, local_dsinks)
 
 
 class ExchangedQueryBlocks:
@@ -171,7 +183,7 @@ class ExchangedQueryBlocks:
         return self.attention._gathered(self.split, self.rank, rows, kv=False)
 
     def _return(self, rows: torch.Tensor) -> torch.Tensor:
-        return gather_heads_scatter_sequence(rows, self.split.queries, self.split.heads, self.attention.group)
+        return self.attention._returned(self.split, self.rank, rows, kv=False)
 
     def forward(self, q: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """The attention output of the chunk's queries ``q`` (recomputed: the layer kept its input only); its
@@ -210,19 +222,10 @@ class ExchangedQueryBlocks:
         """``(dk, dv, dsinks)`` once every chunk is done: dk, dv ``(B, h_kv, s, D)`` at the rank's positions (what
         several ranks return for one KV head summed), ``dsinks`` ``(h,)`` zero outside this rank's heads."""
         self.k = self.v = self.lse = None
-        split, rank = self.split, self.rank
         grads = []
         for name, dtype in zip(("dk", "dv"), self.dtypes):
-            summed = getattr(self, name).to(dtype)
-            setattr(self, name, None)
-            grads.append(
-                gather_heads_scatter_sequence(
-                    sum_repeated_kv_heads(summed, split, rank), split.kvs, split.kv_heads, self.attention.group
-                )
-            )
-            del summed
-        dsinks = None
-        if self.dsinks is not None:
-            dsinks = self.dsinks.new_zeros(split.heads)
-            dsinks[self.heads.start : self.heads.stop] = self.dsinks
-        return grads[0], grads[1], dsinks
+            narrowed = getattr(self, name).to(dtype)
+            setattr(self, name, None)  # the fp32 sums go before the exchange's buffers come
+            grads.append(self.attention._returned(self.split, self.rank, narrowed, kv=True))
+            del narrowed
+        return grads[0], grads[1], UlyssesAttention._sinks_grad(self.split, self.heads, self.dsinks)
