@@ -443,6 +443,20 @@ def _attention_rows(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
 
+def _recomputed_output(ctx, device: torch.device) -> torch.Tensor | None:
+    """For a layer keeping its input only, whose backward recomputes its attention output chunk by chunk: the
+    whole output ``(B, h, S, D)`` its offloaded chunks' finish graphs read (they saved views of its rows), allocated
+    and handed to them, or ``None`` without offloaded chunks. Counts the layer's attention as run (once per layer, in
+    as many blocks as chunks)."""
+    out = None
+    if ctx.alpha_chunks:
+        shape, stride, _ = ctx.recomputed_out.layout
+        out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=device)
+        ctx.recomputed_out.value = out
+    ctx.runtime.attention_ran()
+    return out
+
+
 def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> torch.Tensor:
     """The layer's backward chunk by chunk, last chunk first, with attention in query blocks of the chunks.
 
@@ -457,15 +471,11 @@ def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> t
     dk, dv = key_grad_sums(k, v)
     # A chunk's rows of x are read for the last time by its own backward: the gradient can take their place.
     grad_x = x if not keep and ctx.stash.owns(ctx.x_ref) else torch.empty_like(x)
-    out = lse = None
+    lse = None
     if ctx.keep_attention:
         out, lse = ctx.stash.rebuild(ctx.o_ref), ctx.stash.rebuild(ctx.lse_ref)
-    elif ctx.alpha_chunks:
-        shape, stride, _ = ctx.recomputed_out.layout
-        out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=x.device)
-        ctx.recomputed_out.value = out
-    if not ctx.keep_attention:
-        ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
+    else:
+        out = _recomputed_output(ctx, x.device)
     for chunk in reversed(range(len(ctx.bounds))):
         _chunk_backward(ctx, chunk, x, (k, v), (dk, dv), out, lse, grad_x, grad_y, grad_sides, sums, keep)
     return grad_x
@@ -532,7 +542,7 @@ def _held_keys_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) ->
     sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
     traits = ctx.split.traits
     grad_x = torch.empty_like(x)
-    out = grad_o = None
+    grad_o = None
     if ctx.keep_attention:
         out = ctx.stash.rebuild(ctx.o_ref)
         o_rows = _attention_rows(out)
@@ -543,12 +553,8 @@ def _held_keys_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) ->
                 ctx, chunk, _rows(x, start, stop), _rows(o_rows, start, stop), grad_y, grad_sides, sums, keep
             )
         del o_rows
-    elif ctx.alpha_chunks:
-        shape, stride, _ = ctx.recomputed_out.layout
-        out = torch.empty_strided(shape, stride, dtype=ctx.recomputed_out.dtype, device=x.device)
-        ctx.recomputed_out.value = out
-    if not ctx.keep_attention:
-        ctx.runtime.attention_ran()  # once per layer, in as many blocks as chunks
+    else:
+        out = _recomputed_output(ctx, x.device)
     keys = _rebuild_qkv(ctx, x, keys_only=True)
     lse = ctx.stash.rebuild(ctx.lse_ref) if ctx.keep_attention else None
     dq = blocks = None
