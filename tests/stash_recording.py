@@ -15,11 +15,11 @@ class RecordingStash(LayerStash):
         super().__init__(2, False, engine, pool, slots)
         self.storages = {}
 
-    def add(self, tensor):
+    def add(self, tensor, read_in_views=False):
         storage = tensor.untyped_storage()
         whole = torch.as_strided(tensor.detach(), (storage.nbytes() // tensor.element_size(),), (1,), 0)
         self.storages.setdefault(storage.data_ptr(), whole.clone())
-        return super().add(tensor)
+        return super().add(tensor, read_in_views)
 
 
 class RecordingSource:
@@ -34,7 +34,7 @@ class RecordingSource:
     def sealed(self, index, stash):
         pass
 
-    def backward_started(self, stash, device):
+    def fetch_below(self, stash, nbytes):
         pass
 
     def backward_done(self, stash, device):

@@ -12,7 +12,13 @@ from hf_memo.profiler.kernel_workspace import KernelTarget, workspace_hook
 from hf_memo.runtime import attention_core, blocked_attention, flash_attn_package
 from hf_memo.runtime.attention_core import attention_backward, attention_forward
 from hf_memo.runtime.attention_traits import AttentionTraits
-from hf_memo.runtime.blocked_attention import QueryBlockAttention, block_backward, block_forward, blockable
+from hf_memo.runtime.blocked_attention import (
+    KeyGradSums,
+    QueryBlockAttention,
+    block_backward,
+    block_forward,
+    blockable,
+)
 from hf_memo.runtime.explicit_attention import explicit_backward, explicit_forward
 
 SEQ = 29
@@ -32,18 +38,19 @@ def _inputs(batch, heads, kv_heads, dtype=torch.float64, seed=0, bshd=False):
 def _blocked(q, k, v, upstream, traits, size):
     """Blocks of ``size`` queries: out and lse rows concatenated, dq concatenated, dk, dv and dsinks summed."""
     outs, lses, dqs = [], [], []
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    key_sums = KeyGradSums(k, v)
     dsinks = None if traits.sinks is None else torch.zeros_like(traits.sinks)
     for start in range(0, SEQ, size):
         rows, prefix = slice(start, start + size), slice(0, start + size)
         tensors = (q[:, :, rows], k[:, :, prefix], v[:, :, prefix])
         out, lse = block_forward(*tensors, start, traits)
-        dq, block_dsinks = block_backward(upstream[:, :, rows], *tensors, out, lse, start, traits, dk, dv)
+        dq, block_dsinks = block_backward(upstream[:, :, rows], *tensors, out, lse, start, traits, key_sums)
         outs.append(out)
         lses.append(lse)
         dqs.append(dq)
         if dsinks is not None:
             dsinks += block_dsinks
+    dk, dv = (t.to(k.dtype) for t in key_sums.pop(0, SEQ))
     return torch.cat(outs, 2), torch.cat(lses, 2), (torch.cat(dqs, 2), dk, dv, dsinks)
 
 
@@ -83,7 +90,7 @@ def test_blocks_equal_the_whole_sequence_in_float64(case, size):
     batch, heads, kv_heads, extra = CASES[case]
     q, k, v, upstream = _inputs(batch, heads, kv_heads, bshd=case == "plain")
     traits = AttentionTraits(0.4, **extra)
-    assert blockable(q, traits)
+    assert blockable(q.shape[2], traits)
     out, lse, grads = _blocked(q, k, v, upstream, traits, size)
     want_out, want_lse, want_grads = _whole(q, k, v, upstream, traits)
     _assert_close((out, lse), (want_out, want_lse), 1e-12)
@@ -118,8 +125,8 @@ def test_under_autocast_blocks_run_in_its_dtype_and_give_gradients_in_the_inputs
 
 def test_dropout_and_a_window_that_hides_keys_are_not_blockable():
     q = torch.empty(1, 4, SEQ, 8)
-    assert not blockable(q, AttentionTraits(0.4, dropout_p=0.1))
-    assert not blockable(q, AttentionTraits(0.4, window=SEQ - 1))
+    assert not blockable(q.shape[2], AttentionTraits(0.4, dropout_p=0.1))
+    assert not blockable(q.shape[2], AttentionTraits(0.4, window=SEQ - 1))
     k = torch.empty(1, 4, SEQ, 8)
     with pytest.raises(ValueError, match="sliding window"):
         block_forward(q[:, :, 20:], k, k, 20, AttentionTraits(0.4, window=5))
@@ -203,8 +210,7 @@ def test_a_fake_profile_for_a_cuda_target_records_one_groups_expanded_dk_dv(targ
         k, v = (torch.empty(1, start + rows, kv_heads, dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
         lse = torch.empty(1, heads, rows)
         with AllocationRecorder(lambda: "layer", lambda: "backward", workspace_hook(target)) as recorder:
-            dk, dv = (torch.zeros(1, kv_heads, start + rows, dim) for _ in range(2))
-            dq, _ = block_backward(grad_out, q, k, v, out, lse, start, AttentionTraits(dim**-0.5), dk, dv)
+            dq, _ = block_backward(grad_out, q, k, v, out, lse, start, AttentionTraits(dim**-0.5), KeyGradSums(k, v))
     assert dq.shape == q.shape
     expanded = sorted(e.size for e in recorder.trace().events if e.source and e.source.endswith("dk_expanded"))
     group = heads // kv_heads

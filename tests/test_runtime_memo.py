@@ -127,6 +127,53 @@ def test_a_mixed_policy_gives_the_unpatched_loss_and_gradients_over_steps_with_a
             optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_a_swapped_layer_arrives_in_pieces_no_larger_than_what_the_layer_above_gave_back(monkeypatch, keep_attention):
+    """Every layer on the host: each layer's backward gives its keys' gradient sums back chunk by chunk, and the
+    layer below fetches as many of its bytes as were given back, never more, in pieces joined when its own backward
+    begins (a layer keeping its attention output reads that chunk by chunk from the host, outside the pieces); the
+    gradients are the unpatched model's, over two accumulated micro-batches."""
+    model = build_model("llama", num_hidden_layers=4)
+    reference = copy.deepcopy(model)
+    hf_memo.apply(model, recompute="memo", mlp_chunks=5, lm_head_chunks=3)
+    hf_memo.memo_runtime(model).assume_policy(
+        MemoryPolicy(tuple(LayerPolicy(keep_attention, True, 0.0) for _ in range(4)))
+    )
+    asked, fetched, stash_bytes, joined = {}, {}, {}, []
+    prefetch, join = memo_module.LayerStash.prefetch, memo_module.LayerStash._join_pieces
+
+    def recording_prefetch(stash, nbytes=None):
+        prefetch(stash, nbytes)
+        if nbytes is not None:  # the layer above gave ``nbytes`` back: at most that many are on their way
+            asked.setdefault(stash.index, []).append(nbytes)
+            fetched.setdefault(stash.index, []).append(sum(piece.numel() for _, piece in stash._pieces))
+            assert fetched[stash.index][-1] <= nbytes
+            stash_bytes[stash.index] = (stash._fetched_with_buffers, stash.nbytes)
+
+    def recording_join(stash):
+        joined.append(stash.index)
+        join(stash)
+
+    monkeypatch.setattr(memo_module.LayerStash, "prefetch", recording_prefetch)
+    monkeypatch.setattr(memo_module.LayerStash, "_join_pieces", recording_join)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    seq = 23
+    key_sums_bytes = 2 * 2 * config.num_key_value_heads * seq * head_dim * 8  # dk, dv; batch 2, fp64
+    for micro in range(2):
+        ids, labels = make_batch(2, seq, seed=micro)
+        for m in (model, reference):
+            m(input_ids=ids, labels=labels).loss.backward()
+    assert_same_grads(model, reference)
+    assert sorted(joined) == [0, 0, 1, 1, 2, 2]  # layers 0-2 are below another, once per micro-batch
+    for index in range(3):
+        assert len(asked[index]) == 2 * 5 and asked[index] == sorted(asked[index][:5]) * 2  # one call per chunk
+        assert asked[index][4] == key_sums_bytes  # every chunk's sums given back by the end
+        with_buffers, whole = stash_bytes[index]
+        assert fetched[index][4] == min(with_buffers, key_sums_bytes)  # as much as fits
+        assert (with_buffers < whole) == keep_attention  # the attention output comes chunk by chunk instead
+
+
 @pytest.mark.parametrize("batch", ["packed", "right-padded", "left-padded"])
 def test_input_only_layers_recompute_per_sample_attention_exactly(batch):
     """Packed and padded rows attend per sample: an input-only layer recomputes that attention in backward."""

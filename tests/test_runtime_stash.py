@@ -88,6 +88,82 @@ def test_a_swapped_stash_copies_its_tensors_without_a_device_staging_buffer():
         assert torch.equal(stash.rebuild(ref), value)
 
 
+def test_a_stash_fetched_in_pieces_as_memory_frees_rebuilds_every_tensor_and_gives_the_pieces_back():
+    """The layer above gives memory back chunk by chunk: the stash fetches that many of its bytes each time into a
+    piece of its own (never more than asked), and its backward joins them into its prefetch buffers (the layer input
+    in one, the rest in the other) and lets the pieces go."""
+    from hf_memo.profiler.allocations import AllocationRecorder
+
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    prefetch = DeviceSlots("prefetch", device, engine)
+    stash = LayerStash(1, True, engine, HostPool(device), prefetch)
+    values = [torch.randn(3, 100, dtype=torch.float64), torch.randn(5, 40), torch.arange(300, dtype=torch.int32)]
+    refs = [stash.add(v) for v in values]
+    stash.seal()
+    with AllocationRecorder(lambda: "layer 2 backward", lambda: "backward") as recorder:
+        for given_back in (0, ALIGN + 7, 3 * ALIGN, 3 * ALIGN, stash.nbytes - 1, 10 * stash.nbytes):
+            stash.prefetch(given_back)
+    pieces = [e.size for e in recorder.trace().events if e.op == "malloc" and e.location == "device"]
+    assert pieces == [ALIGN + 7, 2 * ALIGN - 7, stash.nbytes - 1 - 3 * ALIGN, 1]  # as many as given back, no more
+    assert sum(pieces) == stash.nbytes and prefetch.reserved_bytes == 0
+    with AllocationRecorder(lambda: "layer 1 backward", lambda: "backward") as recorder:
+        for ref, value in zip(refs, values):
+            assert torch.equal(stash.rebuild(ref), value)
+    events = recorder.trace().events
+    frees = [e.size for e in events if e.op == "free" and e.location == "device"]
+    assert sorted(frees) == sorted(pieces)  # every piece goes back once its bytes are in the buffers
+    assert prefetch.reserved_bytes == stash.nbytes
+    stash.release()
+    assert prefetch.reserved_bytes == 0
+
+
+def test_pieces_are_not_fetched_into_an_arena_s_buffers():
+    """An arena lays out the prefetch buffers, not pieces beside them: a stash served by one fetches whole, when the
+    layer above's backward begins, as before."""
+    stash, _ = _stash()
+    stash._prefetch.arena = object()  # only its presence is read before the buffers are taken
+    stash.add(torch.randn(1000))
+    stash.seal()
+    stash.prefetch(4 * ALIGN)
+    assert stash._pieces == []
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_storage_read_in_views_comes_one_view_at_a_time_and_not_with_the_prefetch_buffers(swapped):
+    """The attention output of a layer whose backward reads it chunk by chunk: a swapped stash fetches each chunk's
+    rows (ahead, or when rebuilt) into a tensor of their own, and its prefetch buffers hold only the rest."""
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    copies = []
+    to_device = engine.to_device
+    engine.to_device = lambda dst, src, after=None: copies.append(dst.numel()) or to_device(dst, src, after)
+    prefetch = DeviceSlots("prefetch", device, engine)
+    stash = LayerStash(1, swapped, engine, HostPool(device), prefetch)
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    out = torch.randn(1, 12, 4, 8, dtype=torch.float64).transpose(1, 2)  # (B, h, S, D) view of (B, S, h, D)
+    lse = torch.randn(1, 4, 12)
+    x_ref, out_ref, lse_ref = stash.add(x), stash.add(out, read_in_views=True), stash.add(lse)
+    bounds = [(0, 5), (5, 9), (9, 12)]
+    row_refs = [stash.add(out[:, :, start:stop]) for start, stop in bounds]
+    want = [t.clone() for t in (x, out, lse)]
+    stash.seal()
+    assert torch.equal(stash.rebuild(x_ref), want[0]) and torch.equal(stash.rebuild(lse_ref), want[2])
+    assert prefetch.reserved_bytes == (_aligned_bytes(12 * 16 * 2) + _aligned_bytes(4 * 12) if swapped else 0)
+    stash.fetch_view(row_refs[2])  # ahead of its rebuild
+    for ref, (start, stop) in reversed(list(zip(row_refs, bounds))):
+        rows = stash.rebuild(ref)
+        assert rows.shape == (1, 4, stop - start, 8) and torch.equal(rows, want[1][:, :, start:stop])
+        if not swapped:
+            assert rows.data_ptr() == out[:, :, start:stop].data_ptr()  # a view, no copy
+    assert torch.equal(stash.rebuild(out_ref), want[1])  # whole, when asked for whole
+    row = 4 * 8 * 8
+    assert copies == (
+        [_aligned_bytes(12 * 16 * 2), _aligned_bytes(4 * 12), 3 * row, 4 * row, 5 * row, 12 * row] if swapped else []
+    )
+    stash.release()
+
+
 def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it():
     """Two graphs' stashes of the same layer take turns in one prefetch slot: the holder that lost the slot
     must not read the other's bytes."""
@@ -142,10 +218,10 @@ def _stashed_under_autocast(model, ids, labels):
     taken = []
     original = LayerStash.add
 
-    def spy(self, tensor):
+    def spy(self, tensor, read_in_views=False):
         if tensor.untyped_storage()._cdata not in self._index_of:
             taken.append((tensor.untyped_storage().nbytes() // tensor.element_size(), tensor.dtype))
-        return original(self, tensor)
+        return original(self, tensor, read_in_views)
 
     LayerStash.add = spy
     try:

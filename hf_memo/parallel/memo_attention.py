@@ -16,7 +16,7 @@ from hf_memo.parallel.ulysses import (
 )
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention, kernel_window
 from hf_memo.runtime.attention_traits import AttentionTraits
-from hf_memo.runtime.blocked_attention import QueryBlockAttention, block_backward, block_forward, key_grad_sums
+from hf_memo.runtime.blocked_attention import KeyGradSums, QueryBlockAttention, block_backward, block_forward
 from hf_memo.runtime.executor import AttentionCore
 
 
@@ -168,7 +168,7 @@ class ExchangedQueryBlocks:
             keys[index] = None
         self.k, self.v = exchanged
         self.dtypes = (self.k.dtype, self.v.dtype)
-        self.dk, self.dv = key_grad_sums(self.k, self.v)
+        self.key_sums = KeyGradSums(self.k, self.v)
         self.positions = self.k.shape[2] // attention.size
         self.lse = lse
         self.dsinks: torch.Tensor | None = None
@@ -211,7 +211,7 @@ class ExchangedQueryBlocks:
         for place, first, last in self._pieces(start, stop):
             dq[:, :, place], dsinks = block_backward(
                 grad_out[:, :, place], q[:, :, place], self.k[:, :, :last], self.v[:, :, :last], out[:, :, place],
-                self.lse[:, :, first:last], first, self.traits, self.dk, self.dv, prefix_piece=self.positions,
+                self.lse[:, :, first:last], first, self.traits, self.key_sums, prefix_piece=self.positions,
             )  # fmt: skip
             if dsinks is not None:
                 self.dsinks = dsinks if self.dsinks is None else self.dsinks + dsinks
@@ -221,11 +221,13 @@ class ExchangedQueryBlocks:
     def key_grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(dk, dv, dsinks)`` once every chunk is done: dk, dv ``(B, h_kv, s, D)`` at the rank's positions (what
         several ranks return for one KV head summed), ``dsinks`` ``(h,)`` zero outside this rank's heads."""
+        length = self.k.shape[2]
         self.k = self.v = self.lse = None
+        sums = list(self.key_sums.pop(0, length))
         grads = []
-        for name, dtype in zip(("dk", "dv"), self.dtypes):
-            narrowed = getattr(self, name).to(dtype)
-            setattr(self, name, None)  # the fp32 sums go before the exchange's buffers come
+        for index, dtype in enumerate(self.dtypes):
+            narrowed = sums[index].to(dtype)
+            sums[index] = None  # the fp32 sums go before the exchange's buffers come
             grads.append(self.attention._returned(self.split, self.rank, narrowed, kv=True))
             del narrowed
         return grads[0], grads[1], UlyssesAttention._sinks_grad(self.split, self.heads, self.dsinks)

@@ -26,6 +26,7 @@ Dropout is not blocked (its mask is drawn over the whole sequence), nor a slidin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -50,10 +51,10 @@ _EXPANDING_FLASH = ("flash-attn", "cuda-flash")  # flash kernels whose backward 
 _EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel's lse holds the queries padded to this multiple
 
 
-def blockable(q: torch.Tensor, traits: AttentionTraits) -> bool:
-    """Whether causal attention of ``q`` ``(B, h, S, D)`` with ``traits`` may run block by block: no dropout, and no
-    sliding window that hides a key of the ``S`` positions. Soft-capping and sinks are fine."""
-    return kernel_window(traits, q.shape[2]) is None and traits.dropout_p == 0
+def blockable(length: int, traits: AttentionTraits) -> bool:
+    """Whether causal attention over ``length`` positions with ``traits`` may run block by block: no dropout, and no
+    sliding window that hides one of the keys. Soft-capping and sinks are fine."""
+    return kernel_window(traits, length) is None and traits.dropout_p == 0
 
 
 def _kernel_traits(traits: AttentionTraits, length: int) -> AttentionTraits:
@@ -149,12 +150,39 @@ def _no_rng() -> torch.Tensor:
     return torch.empty((), dtype=torch.long)
 
 
-@torch.no_grad()
-def key_grad_sums(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed sums shaped like ``k`` and ``v`` ``(B, h_kv, S, D)`` for :func:`block_backward` to add every block's
-    dK/dV into: float32 for half inputs (one rounding per kernel call, none per block), else their own dtype."""
-    wide = summing_dtype(k.dtype)
-    return torch.zeros(k.shape, dtype=wide, device=k.device), torch.zeros(v.shape, dtype=wide, device=v.device)
+class KeyGradSums:
+    """Running sums of the keys' and values' gradients over query blocks, ``(B, h_kv, S, D)`` each, kept as pieces
+    of positions: float32 for half inputs (one rounding per kernel call, none per block), else the keys' dtype.
+
+    A piece whose keys have every gradient (no later block attends to them) is taken out with :meth:`pop`, and its
+    memory goes back when the caller drops it: causal blocks run last block first, so a piece is final as soon as
+    its own block is done.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]] | None = None) -> None:
+        """Zeroed sums for ``k`` and ``v`` ``(B, h_kv, S, D)``, one pair per piece ``[start, stop)`` of ``bounds``
+        (default: one piece, the whole sequence)."""
+        wide = summing_dtype(k.dtype)
+        self.pieces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {
+            (start, stop): tuple(
+                torch.zeros((*t.shape[:2], stop - start, t.shape[3]), dtype=wide, device=t.device) for t in (k, v)
+            )
+            for start, stop in bounds or [(0, k.shape[2])]
+        }
+
+    @torch.no_grad()
+    def add(self, heads: slice, keys: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add one kernel call's ``dk, dv`` ``(B, h', keys.stop - keys.start, D)``, the gradients of keys ``keys`` of
+        KV heads ``heads``, to every piece they overlap."""
+        for (start, stop), sums in self.pieces.items():
+            first, last = max(start, keys.start), min(stop, keys.stop)
+            if first < last:
+                for total, part in zip(sums, (dk, dv)):
+                    total[:, heads, first - start : last - start] += part[:, :, first - keys.start : last - keys.start]
+
+    def pop(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here."""
+        return self.pieces.pop((start, stop))
 
 
 def block_backward(
@@ -166,20 +194,19 @@ def block_backward(
     lse: torch.Tensor,
     start: int,
     traits: AttentionTraits,
-    dk_sum: torch.Tensor,
-    dv_sum: torch.Tensor,
+    key_sums: KeyGradSums,
     prefix_piece: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of :func:`block_forward` from its ``out`` and ``lse``: ``(dq, dsinks)``, and the block's part of the
-    prefix keys' gradients added to ``dk_sum`` and ``dv_sum``.
+    prefix keys' gradients added to ``key_sums``.
 
     Args:
         grad_out: ``(B, h, s, D)`` the gradient of ``out``.
         q, k, v, start, traits: as given to :func:`block_forward`.
         out, lse: ``(B, h, s, D)`` and ``(B, h, s)`` as :func:`block_forward` returned them.
-        dk_sum, dv_sum: ``(B, h_kv, >= start + s, D)`` running sums of the keys' and values' gradients over blocks
-            (e.g. in float32 for half inputs): the kernels' gradients are added to their first ``start + s`` rows
-            as each call returns them, so no gradient of the whole prefix is allocated.
+        key_sums: running sums of the keys' and values' gradients over blocks, covering at least the prefix's
+            ``start + s`` positions: the kernels' gradients are added to them as each call returns them, so no
+            gradient of the whole prefix is allocated.
         prefix_piece: on a kernel whose backward expands dK/dV (or K/V) to the query heads, the keys before the block
             go to it in pieces of at most this many (each an exact partial, as the two parts are), so what it
             expands is one piece's keys, not the whole prefix's.
@@ -195,7 +222,6 @@ def block_backward(
     kernel_traits = _kernel_traits(traits, k.shape[2])
     backend = backend_for(q, kernel_traits)
     dq = torch.empty_like(q, dtype=q_dtype)
-    dk, dv = dk_sum[:, :, : k.shape[2]], dv_sum[:, :, : k.shape[2]]
     groups = q.shape[1] // k.shape[1]
     expands = _expands_kv_grads(q, k, v, backend)
     if expands:  # one KV head and its group of query heads per call
@@ -207,7 +233,8 @@ def block_backward(
         for index, (keys, causal) in enumerate(parts):
             mark_part("attention backward over the block's own keys" if causal else "attention backward over a prefix")
             _part_backward_into(
-                (dq[:, qh], dk[:, kv, keys], dv[:, kv, keys]),
+                dq[:, qh],
+                lambda dk, dv, kv=kv, keys=keys: key_sums.add(kv, keys, dk, dv),
                 index > 0,
                 (grad_out[:, qh], q[:, qh], k[:, kv, keys], v[:, kv, keys], out[:, qh]),
                 _stats(backend, lse[:, qh], keys.stop - keys.start),
@@ -220,25 +247,23 @@ def block_backward(
 
 
 def _part_backward_into(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dq: torch.Tensor,
+    add_key_grads: Callable[[torch.Tensor, torch.Tensor], None],
     accumulate_dq: bool,
     tensors: tuple[torch.Tensor, ...],
     stats: AttentionStats,
     traits: AttentionTraits,
     causal: bool,
 ) -> None:
-    """One kernel backward on ``tensors`` ``(grad_out, q, k, v, out)``: its dq written into ``grads[0]`` (added to
-    when ``accumulate_dq``), its dk and dv added to ``grads[1:]``; the kernel's own gradients die on return."""
-    dq, dk, dv = grads
+    """One kernel backward on ``tensors`` ``(grad_out, q, k, v, out)``: its dq written into ``dq`` (added to when
+    ``accumulate_dq``), its dk and dv handed to ``add_key_grads``; the kernel's own gradients die on return."""
     part_dq, part_dk, part_dv, _ = attention_backward(*tensors, stats, traits, causal)
     if accumulate_dq:
         dq += part_dq
     else:
         dq.copy_(part_dq)
     del part_dq
-    dk += part_dk
-    del part_dk
-    dv += part_dv
+    add_key_grads(part_dk, part_dv)
 
 
 QUERY_BLOCKS = 8  # blocks a whole sequence's queries are cut into by QueryBlockAttention
@@ -264,7 +289,7 @@ class QueryBlockAttention:
     ) -> tuple[torch.Tensor, AttentionStats]:
         """Output ``(B, h, S, D)`` (a view of ``(B, S, h, D)`` memory) and its statistics, from ``q`` ``(B, h, S, D)``
         and ``k, v`` ``(B, h_kv, S, D)``."""
-        if not blockable(q, traits):
+        if not blockable(q.shape[2], traits):
             return attention_forward(q, k, v, traits)
         batch, heads, length, _ = q.shape
         out = lse = None
@@ -287,17 +312,18 @@ class QueryBlockAttention:
         traits: AttentionTraits,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(dq, dk, dv, dsinks)`` as :func:`~hf_memo.runtime.attention_core.attention_backward` gives them."""
-        if not blockable(q, traits):
+        if not blockable(q.shape[2], traits):
             return attention_backward(grad_out, q, k, v, out, stats, traits)
-        dk, dv = key_grad_sums(k, v)
+        key_sums = KeyGradSums(k, v)
         dq = torch.empty_like(q)
         dsinks = None
         for start, stop in reversed(chunk_bounds(q.shape[2], self.blocks)):
             rows = slice(start, stop)
             dq[:, :, rows], block_dsinks = block_backward(
                 grad_out[:, :, rows], q[:, :, rows], k[:, :, :stop], v[:, :, :stop], out[:, :, rows],
-                stats.lse[:, :, rows], start, traits, dk, dv, prefix_piece=stop - start,
+                stats.lse[:, :, rows], start, traits, key_sums, prefix_piece=stop - start,
             )  # fmt: skip
             if block_dsinks is not None:
                 dsinks = block_dsinks if dsinks is None else dsinks + block_dsinks
+        dk, dv = key_sums.pop(0, q.shape[2])
         return dq, dk.to(k.dtype), dv.to(v.dtype), dsinks

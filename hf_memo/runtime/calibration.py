@@ -53,7 +53,7 @@ class _ProbeRuntime:
     def sealed(self, index: int, stash: LayerStash) -> None:
         pass
 
-    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
+    def fetch_below(self, stash: LayerStash, nbytes: int | None) -> None:
         pass
 
     def backward_done(self, stash: LayerStash, device: torch.device) -> None:

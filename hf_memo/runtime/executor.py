@@ -46,7 +46,7 @@ from hf_memo.minseq.replay import ReplayState, autocast_cache_kept
 from hf_memo.profiler.placement import mark_part
 from hf_memo.runtime.attention_core import AttentionStats, LocalAttention
 from hf_memo.runtime.attention_traits import AttentionTraits
-from hf_memo.runtime.blocked_attention import block_backward, block_forward, blockable, key_grad_sums
+from hf_memo.runtime.blocked_attention import KeyGradSums, block_backward, block_forward, blockable
 from hf_memo.runtime.stash import LayerStash, RecomputedInBackward, stash_hooks
 
 
@@ -135,8 +135,9 @@ class StashSource(Protocol):
 
     def sealed(self, index: int, stash: LayerStash) -> None: ...
 
-    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
-        """The backward of ``stash``'s layer begins: prefetch the stash below it (same forward)."""
+    def fetch_below(self, stash: LayerStash, nbytes: int | None) -> None:
+        """The backward of ``stash``'s layer has given back ``nbytes`` device bytes so far: the stash below it (same
+        forward) may fetch that many of its bytes now (``None``: all of them, ahead of its backward)."""
         ...
 
     def backward_done(self, stash: LayerStash, device: torch.device) -> None:
@@ -307,8 +308,13 @@ class MemoLayerFunction(torch.autograd.Function):
         runtime.attention_ran()
         del q, k, v
         out = _sequence_major(out)
-        if keep_attention:
-            ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out), stash.add(stats.lse), replace(stats, lse=None)
+        if keep_attention:  # a blocked backward reads the output one chunk of rows at a time, each from the host
+            blocked = _runs_in_blocks(core, x.shape[1], split.traits)
+            ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out, blocked), stash.add(stats.lse), replace(stats, lse=None)
+            # each chunk's rows are read as the largest chunk's many rows from its first (one more at most), so
+            # every fetch from the host takes the same bytes
+            rows = max(stop - start for start, stop in bounds)
+            ctx.o_row_refs = [stash.add(out[:, :, start : start + rows]) for start, _ in bounds] if blocked else None
             ctx.recomputed_out, post_hooks = None, hooks
         else:  # o_proj saves attention-output rows: rebuilt from the attention backward computes again
             ctx.recomputed_out = RecomputedInBackward(out)
@@ -362,17 +368,17 @@ class MemoLayerFunction(torch.autograd.Function):
         params = ctx.saved_tensors
         # retain_graph=True: everything the layer keeps stays for the next backward through this graph
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
-        ctx.runtime.backward_started(stash, device)
+        traits, length = ctx.split.traits, ctx.x_ref.shape[1]
+        if _runs_in_blocks(ctx.core, length, traits):
+            backward = _blocked_backward  # fetches the layer below piece by piece, as it frees its keys' gradients
+        else:
+            ctx.runtime.fetch_below(stash, None)
+            blocks_queries = getattr(ctx.core, "blocks_queries", None)
+            held_keys = blocks_queries is not None and blocks_queries(length, traits)
+            backward = _held_keys_backward if held_keys else _whole_backward
         wanted = list(ctx.needs_input_grad[7:])
         sums = GradSum(params, wanted)
         x = stash.rebuild(ctx.x_ref)
-        traits = ctx.split.traits
-        if _runs_in_blocks(ctx.core, x, traits):
-            backward = _blocked_backward
-        elif getattr(ctx.core, "blocks_queries", None) is not None and ctx.core.blocks_queries(x.shape[1], traits):
-            backward = _held_keys_backward
-        else:
-            backward = _whole_backward
         grad_x = backward(ctx, x, grad_y, grad_sides, sums, keep)
         stash.release(keep)
         ctx.runtime.backward_done(stash, device)
@@ -383,11 +389,12 @@ class MemoLayerFunction(torch.autograd.Function):
         return (None, None, None, None, None, None, grad_x, *sums.result())
 
 
-def _runs_in_blocks(core: AttentionCore, x: torch.Tensor, traits: AttentionTraits) -> bool:
+def _runs_in_blocks(core: AttentionCore, length: int, traits: AttentionTraits) -> bool:
     """Whether the layer's backward runs attention one chunk of queries at a time (:mod:`.blocked_attention`): the
-    core attends on this device's whole sequence (not packed, not sequence-parallel) and the traits allow it."""
+    core attends on this device's whole sequence of ``length`` positions (not packed, not sequence-parallel) and the
+    traits allow it."""
     local = core is LocalAttention or type(core) is LocalAttention
-    return local and blockable(x.transpose(1, 2), traits)
+    return local and blockable(length, traits)
 
 
 def _finish_backward(ctx, chunk: int, x: torch.Tensor, o_rows: torch.Tensor, grad_y, grad_sides, sums, keep):
@@ -465,26 +472,34 @@ def _blocked_backward(ctx, x: torch.Tensor, grad_y, grad_sides, sums, keep) -> t
     only k, v and their gradients are held for the whole sequence (dK/dV summed in fp32 for half inputs), with the
     gradient of ``x``, written over ``x`` itself where the stash owns its memory. A layer keeping its input only
     recomputes its chunk's attention output (and a layer whose offloaded chunks saved views of it, the whole
-    output's rows, one chunk at a time)."""
+    output's rows, one chunk at a time).
+
+    The keys' gradient sums are one piece per chunk, each freed once its chunk is done; as they go, the stash of
+    the layer below fetches as many of its bytes as they gave back (:meth:`StashSource.fetch_below`), so its bytes
+    arrive in that memory instead of beside it (what does not fit comes when its own backward begins). A layer that
+    keeps its attention output reads it one chunk of rows at a time, the next chunk's fetched from the host while
+    this one runs (:meth:`LayerStash.fetch_view`), never the whole output."""
     sums.reserve()  # held from the first chunk on: every chunk's moments alike (the estimator's fits rely on it)
     k, v = _rebuild_qkv(ctx, x, keys_only=True)
-    dk, dv = key_grad_sums(k, v)
+    key_sums = KeyGradSums(k, v, ctx.bounds)
     # A chunk's rows of x are read for the last time by its own backward: the gradient can take their place.
     grad_x = x if not keep and ctx.stash.owns(ctx.x_ref) else torch.empty_like(x)
-    lse = None
+    out = lse = None
     if ctx.keep_attention:
-        out, lse = ctx.stash.rebuild(ctx.o_ref), ctx.stash.rebuild(ctx.lse_ref)
+        lse = ctx.stash.rebuild(ctx.lse_ref)
     else:
         out = _recomputed_output(ctx, x.device)
+    freed = 0
     for chunk in reversed(range(len(ctx.bounds))):
-        _chunk_backward(ctx, chunk, x, (k, v), (dk, dv), out, lse, grad_x, grad_y, grad_sides, sums, keep)
+        freed += _chunk_backward(ctx, chunk, x, (k, v), key_sums, out, lse, grad_x, grad_y, grad_sides, sums, keep)
+        ctx.runtime.fetch_below(ctx.stash, freed)
     return grad_x
 
 
-def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, grad_sides, sums, keep) -> None:
+def _chunk_backward(ctx, chunk, x, keys, key_sums, out, lse, grad_x, grad_y, grad_sides, sums, keep) -> int:
     """Chunk ``chunk``'s part of :func:`_blocked_backward`: its rows of ``grad_x`` written (its queries' attention
-    over ``keys`` ``(k, v)`` recomputed if ``out`` is not kept), its keys' gradients added to ``key_grads``. Its
-    tensors die on return."""
+    over ``keys`` ``(k, v)`` recomputed if ``out`` is not kept), its keys' gradients added to ``key_sums`` and its
+    own keys' sums taken out of them. Its tensors die on return; returns the bytes of its keys' sums, given back."""
     traits = ctx.split.traits
     start, stop = ctx.bounds[chunk]
     offloaded = chunk < ctx.alpha_chunks
@@ -495,7 +510,9 @@ def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, gr
     q_rows = ctx.stash.rebuild(ctx.qkv_refs[chunk][0]) if offloaded else graph[1][0].detach()
     prefix = tuple(t[:, :, :stop] for t in keys)
     if ctx.keep_attention:
-        out_rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
+        if chunk > 0:  # the next chunk's output rows come from the host while this one runs
+            ctx.stash.fetch_view(ctx.o_row_refs[chunk - 1])
+        out_rows, lse_rows = ctx.stash.rebuild(ctx.o_row_refs[chunk])[:, :, : stop - start], lse[:, :, start:stop]
     else:
         mark_part("attention forward")
         out_rows, lse_rows = block_forward(q_rows, *prefix, start, traits)
@@ -506,15 +523,19 @@ def _chunk_backward(ctx, chunk, x, keys, key_grads, out, lse, grad_x, grad_y, gr
         ctx, chunk, x_rows, _attention_rows(out_rows), grad_y, grad_sides, sums, keep
     )
     grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
-    dq, dsinks = block_backward(grad_out, q_rows, *prefix, out_rows, lse_rows, start, traits, *key_grads)
+    dq, dsinks = block_backward(grad_out, q_rows, *prefix, out_rows, lse_rows, start, traits, key_sums)
     del grad_o, grad_out, out_rows, lse_rows, q_rows
     _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
     mark_part(f"{kind} chunk project backward")
-    grads_qkv = [dq, *(g[:, :, start:stop].to(t.dtype) for g, t in zip(key_grads, keys))]
+    own_sums = key_sums.pop(start, stop)
+    freed = sum(t.numel() * t.element_size() for t in own_sums)
+    grads_qkv = [dq, *(g.to(t.dtype) for g, t in zip(own_sums, keys))]
+    del own_sums
     del dq
     grad_project = _project_backward(ctx, graph, grads_qkv, sums)
     del graph, grads_qkv
     torch.add(grad_finish, grad_project, out=grad_x[:, start:stop])
+    return freed
 
 
 def _queries(ctx, chunk: int, x_rows: torch.Tensor) -> torch.Tensor:

@@ -539,10 +539,10 @@ class MemoRuntime:
         stash.below = self._forward.get(index - 1)
         self._forward[index] = weakref.ref(stash)
 
-    def backward_started(self, stash: LayerStash, device: torch.device) -> None:
+    def fetch_below(self, stash: LayerStash, nbytes: int | None) -> None:
         below = stash.lower
         if below is not None:
-            below.prefetch()
+            below.prefetch(nbytes)
 
     def backward_done(self, stash: LayerStash, device: torch.device) -> None:
         """After the lowest layer the executor ran in ``stash``'s forward (layer 0, or the next one up when layers

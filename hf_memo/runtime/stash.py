@@ -8,7 +8,11 @@ staging buffer: a storage's device memory is reused only once its copy is done),
 tensors are dropped. In backward the bytes come back into one of two prefetch buffers, as large as the
 layer keeps — ahead of time, while the layer above computes — and every saved tensor is rebuilt as a
 view with its original shape and strides. A prefetch buffer is given back as soon as its layer's backward
-is done.
+is done. Where the layer above frees memory gradually during its backward (its keys' gradient sums, chunk by
+chunk), the bytes come ahead in pieces of their own, each fetched as memory goes back, and are joined into the
+prefetch buffers when the layer's backward begins. A storage whose saved views are read one at a time (the
+attention output, chunk by chunk) is not fetched with the rest: each view's bytes come into a tensor of their own
+when it is rebuilt, or ahead of time (:meth:`LayerStash.fetch_view`).
 """
 
 from __future__ import annotations
@@ -152,12 +156,20 @@ class LayerStash:
         self._stored: torch.cuda.Event | None = None  # the device-to-host copy
         self._fetched: torch.cuda.Event | None = None
         self._slot_buffers: list[torch.Tensor] | None = None  # the fetched parts (see _parts)
+        self._pieces: list[tuple[int, torch.Tensor]] = []  # (first byte, bytes) fetched ahead in pieces
+        self._read_in_views: set[int] = set()  # storages fetched one saved view at a time, laid out last
+        self._fetched_with_buffers = 0  # bytes of the layout the prefetch buffers hold: all but those storages
+        self._view_fetches: dict[StashRef, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._freed = False
 
-    def add(self, tensor: torch.Tensor) -> StashRef:
-        """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it."""
+    def add(self, tensor: torch.Tensor, read_in_views: bool = False) -> StashRef:
+        """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it. ``read_in_views``:
+        the storage's views are rebuilt one at a time (not the storage whole), so a swapped stash fetches each
+        view's bytes when it is rebuilt instead of the storage with the rest."""
         storage = tensor.untyped_storage()
         if storage._cdata not in self._index_of:
+            if read_in_views:
+                self._read_in_views.add(len(self._storages))
             self._index_of[storage._cdata] = len(self._storages)
             # detached: a stashed tensor must not reference the graph whose saved-tensor hooks reference the stash
             # (the view's base is that detached tensor: two tensors of the stash's on the storage, see ``owns``)
@@ -184,10 +196,17 @@ class LayerStash:
     def seal(self) -> None:
         """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA)."""
         self._index_of = {}
-        for whole in self._storages:
+        self._layout = [(0, 0, torch.uint8)] * len(self._storages)
+        order = sorted(range(len(self._storages)), key=lambda index: index in self._read_in_views)
+        for index in order:  # the storages read in views last: the prefetch buffers hold the bytes before them
+            if index in self._read_in_views and not self._fetched_with_buffers:
+                self._fetched_with_buffers = self.nbytes
+            whole = self._storages[index]
             nbytes = whole.numel() * whole.element_size()
-            self._layout.append((self.nbytes, nbytes, whole.dtype))
+            self._layout[index] = (self.nbytes, nbytes, whole.dtype)
             self.nbytes += _aligned(nbytes)
+        if not self._read_in_views:
+            self._fetched_with_buffers = self.nbytes
         if not self.swapped:
             return
         try:
@@ -209,16 +228,44 @@ class LayerStash:
         """Byte ranges of the device buffers a swapped stash is fetched into: its first storage (the layer input) in
         a buffer of its own, so that memory can outlive the rest (see :meth:`owns`), and the other storages."""
         first = _aligned(self._layout[0][1]) if self._layout else 0
-        return [(start, stop) for start, stop in ((0, first), (first, self.nbytes)) if stop > start]
+        last = self._fetched_with_buffers
+        return [(start, stop) for start, stop in ((0, first), (first, last)) if stop > start]
 
-    def prefetch(self) -> None:
-        """Start copying a swapped stash back to the device (no-op if it is there or on its way)."""
-        if self.swapped and self._slot_buffers is None and self._host is not None:
+    def prefetch(self, nbytes: int | None = None) -> None:
+        """Start copying a swapped stash back to the device: all of it into its prefetch buffers, or its first
+        ``nbytes``, beyond those on their way, into a piece of its own (:meth:`rebuild` joins the pieces into the
+        buffers). No-op for what is there or on its way; with an arena serving the buffers (its regions are laid
+        out for them, not for pieces) only ``nbytes=None`` fetches."""
+        if not self.swapped or self._slot_buffers is not None or self._host is None:
+            return
+        if nbytes is None and not self._pieces:
             parts = self._parts()
             buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
             for buffer, (start, stop) in zip(buffers, parts):
                 self._fetched = self._engine.to_device(buffer, self._host[start:stop], self._stored)
             self._slot_buffers = buffers
+            return
+        if not self._prefetch.buffers_outlive_release:
+            return
+        start = self._pieces[-1][0] + self._pieces[-1][1].numel() if self._pieces else 0
+        last = self._fetched_with_buffers
+        stop = last if nbytes is None else min(last, nbytes)
+        if stop > start:
+            piece = torch.empty(stop - start, dtype=torch.uint8, device=self._prefetch.device)
+            self._fetched = self._engine.to_device(piece, self._host[start:stop], self._stored)
+            self._pieces.append((start, piece))
+
+    def _join_pieces(self) -> None:
+        """Copy the pieces fetched ahead into the prefetch buffers, each piece given back once its bytes are in."""
+        parts = self._parts()
+        buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
+        for buffer, (start, stop) in zip(buffers, parts):
+            for first, piece in self._pieces:
+                low, high = max(start, first), min(stop, first + piece.numel())
+                if low < high:
+                    buffer[low - start : high - start].copy_(piece[low - first : high - first])
+            self._pieces = [(first, piece) for first, piece in self._pieces if first + piece.numel() > stop]
+        self._slot_buffers = buffers
 
     @property
     def _capacity(self) -> int:
@@ -228,7 +275,8 @@ class LayerStash:
         """The prefetch slot holding this stash's bytes went to another stash (or back to the arena): a swapped
         stash fetches again from the host when it is next rebuilt."""
         if self.swapped:
-            self._storages, self._slot_buffers, self._fetched = [], None, None
+            self._storages, self._slot_buffers, self._fetched, self._pieces = [], None, None, []
+            self._view_fetches = {}
 
     def rebuild(self, ref: StashRef) -> torch.Tensor:
         """The saved tensor ``ref`` describes, as a view of its storage on the device."""
@@ -240,9 +288,31 @@ class LayerStash:
         if not self._storages:  # swapped: wait for the prefetch (or fetch now if none was started)
             self.prefetch()
             self._engine.wait(self._fetched)
+            if self._pieces:
+                self._join_pieces()
             self._storages = self._views(self._slot_buffers)
         base = self._storages[ref.index]
+        if base is None:  # a storage read in views, on the host
+            self.fetch_view(ref)
+            view, fetched = self._view_fetches.pop(ref)
+            self._engine.wait(fetched)
+            return view
         return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
+
+    def fetch_view(self, ref: StashRef) -> None:
+        """Start copying the bytes of ``ref``'s view of a swapped storage read in views into a device tensor of their
+        own, which its next :meth:`rebuild` returns (no-op for any other storage, or if on its way)."""
+        if ref in self._view_fetches or ref.index not in self._read_in_views or not self.swapped:
+            return
+        if self._host is None:
+            raise RuntimeError(f"layer {self.index}'s memo stash has no host copy to fetch a view from")
+        size = ref.dtype.itemsize
+        span = 1 + sum((n - 1) * stride for n, stride in zip(ref.shape, ref.stride)) if all(ref.shape) else 0
+        first = self._layout[ref.index][0] + ref.offset * size
+        piece = torch.empty(span * size, dtype=torch.uint8, device=self._prefetch.device)
+        fetched = self._engine.to_device(piece, self._host[first : first + span * size], self._stored)
+        view = torch.as_strided(piece.view(ref.dtype), ref.shape, ref.stride, 0)
+        self._view_fetches[ref] = (view, fetched)
 
     def release(self, keep: bool = False) -> None:
         """After the layer's backward: give the prefetch buffer back; unless ``keep`` (the backward retains the
@@ -254,7 +324,8 @@ class LayerStash:
             self.evict()
             return
         self._return_host()
-        self._storages, self._host, self._slot_buffers, self._freed = [], None, None, True
+        self._storages, self._host, self._slot_buffers, self._pieces, self._freed = [], None, None, [], True
+        self._view_fetches = {}
 
     def owns(self, ref: StashRef, views: int = 1) -> bool:
         """Whether the memory of ``ref``'s storage on the device is this stash's alone, apart from ``views`` tensors
@@ -272,14 +343,18 @@ class LayerStash:
         whole = self._storages[ref.index]
         return _tensors_on(whole) == 2 + views  # ``whole`` and its base
 
-    def _views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each storage's tensor in ``buffers``: consecutive parts of the stash's byte layout."""
+    def _views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each storage's tensor in ``buffers``: consecutive parts of the stash's byte layout (``None`` for a storage
+        read in views that they do not hold: the prefetch buffers)."""
         starts, start = [], 0
         for buffer in buffers:
             starts.append(start)
             start += buffer.numel()
         views = []
-        for offset, nbytes, dtype in self._layout:
+        for index, (offset, nbytes, dtype) in enumerate(self._layout):
+            if index in self._read_in_views and offset >= start:
+                views.append(None)
+                continue
             part = max(i for i, first in enumerate(starts) if first <= offset)
             local = offset - starts[part]
             views.append(buffers[part][local : local + nbytes].view(dtype))
