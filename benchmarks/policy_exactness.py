@@ -38,7 +38,7 @@ QUESTIONS = {
 }
 DIRECT = """
 import json, sys, torch
-from hf_memo.integrations.cluster import Cluster, rank_peak
+from hf_memo.integrations.cluster import Cluster, rank_peak, rank_state_bytes
 from hf_memo.integrations.estimate import model_states
 from hf_memo.integrations.setups import memo_with_policy, with_lora
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
@@ -55,9 +55,10 @@ def prepare(model, session):
     return model
 config = builtin_config("llama-3-8b")
 trace = StepProfiler(config, prepare, torch.bfloat16, fresh=True, sequence_parallel=sp).trace(rank_len)
-device, host = peak(trace, "device"), peak(trace, "host").total
 states = model_states(config, torch.bfloat16, trainable, "adamw", cluster)
-device, state_host = rank_peak(device, states, cluster)
+device = peak(trace, "device", restate=lambda values: rank_state_bytes(values, states, cluster))
+host = peak(trace, "host").total
+device, state_host = rank_peak(device, states, cluster, restated=True)
 print(json.dumps({"device": device.total, "host": host + state_host}))
 """
 

@@ -114,7 +114,7 @@ class MemoConfig:
     mlp_chunks: int | str = "auto"
     lm_head_chunks: int | str = "auto"
     min_chunk_tokens: int = 1024
-    max_chunk_elements: int = 2**28
+    max_chunk_elements: int = 2**26
     recompute: str = "none"
     offload_fraction: float | str = "auto"
     host_memory_limit: int | str = "auto"

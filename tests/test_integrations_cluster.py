@@ -5,6 +5,7 @@ import itertools
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -20,6 +21,7 @@ from hf_memo.integrations.cluster import (
     ModelStates,
     all_to_all_bytes,
     rank_peak,
+    rank_state_bytes,
     rank_states,
 )
 from hf_memo.integrations.estimate import estimate, model_states, rank_budget
@@ -27,6 +29,7 @@ from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.shapes import builtin_config
+from hf_memo.profiler.trace import CATEGORIES
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.attention_traits import AttentionTraits
 
@@ -127,6 +130,30 @@ def test_rank_peak_puts_deepspeed_states_in_the_profile_and_keeps_the_rest():
     assert rank_peak(forward, STATES, cluster)[0].by_category["gradient"] == states.gradients_before_backward
     plain, none = rank_peak(GRADIENT_PEAK, STATES, Cluster(8, 8), extra_temporary=GiB)
     assert none == 0 and plain.total == 101 * GiB  # no ZeRO: the profile's own states
+
+
+def test_the_highest_moment_is_chosen_with_a_rank_s_states_not_the_profile_s():
+    """A profile holds full gradients and AdamW moments on the device from backward on, a DeepSpeed rank far less:
+    its backward moment peaks in the profile, but on the rank the forward moment with more activations is higher.
+    Replacing the states after choosing the profile's highest moment misses it (the estimator did, 2026-11-26)."""
+    cluster = Cluster(1, 1, 2, True)
+    states = rank_states(STATES, cluster)
+    columns = {c: i for i, c in enumerate(CATEGORIES)}
+    forward = np.zeros(len(CATEGORIES), dtype=np.int64)
+    forward[[columns["parameter"], columns["optimizer"], columns["activation"]]] = (16 * GiB, 32 * GiB, 40 * GiB)
+    backward = forward.copy()
+    backward[[columns["gradient"], columns["activation"]]] = (15 * GiB, 30 * GiB)
+    moments = np.stack([forward, backward])
+    assert moments.sum(axis=1).argmax() == 1  # the profile's own highest: backward
+    restated = rank_state_bytes(moments, STATES, cluster)
+    assert restated.sum(axis=1).argmax() == 0  # the rank's: forward
+    assert restated[0, columns["gradient"]] == states.gradients_before_backward
+    assert restated[1, columns["gradient"]] == states.gradients
+    assert (restated[:, columns["activation"]] == moments[:, columns["activation"]]).all()
+    assert (rank_state_bytes(moments, STATES, Cluster(1, 1)) == moments).all()  # no ZeRO: the profile's own
+    chosen = Peak(int(restated[0].sum()), {c: int(v) for c, v in zip(CATEGORIES, restated[0])})
+    device, _ = rank_peak(chosen, STATES, cluster, restated=True)
+    assert device.by_category == chosen.by_category  # not replaced twice
 
 
 def test_the_optimizer_step_is_the_peak_when_activations_are_small():

@@ -32,10 +32,11 @@ def _profiler_for(mode):
 
 
 def test_chunk_rows_follow_the_runtime_rule():
-    # LM head: 128256 / 4096 -> 32 chunks up to 2^28 / 128256 = 2092 rows each, then more (a divisor if one is near)
+    # LM head: 128256 / 4096 -> 32 chunks up to 2^26 / 128256 = 523 rows each, then more (never under 1,024 rows);
+    # MLP: 14336 / 4096 -> 4 chunks up to 2^26 / 14336 = 4681 rows each, then more (a divisor if one is near)
     assert chunk_rows(CONFIG, "tokens", 1, 16384) == (4096, 1024)  # 32 head chunks would be under 1,024 tokens
-    assert chunk_rows(CONFIG, "tokens", 1, 131072) == (16384, 2048)
-    assert chunk_rows(CONFIG, "memo", 2, 131072)[0] == 2 * 131072 // 16  # per sequence, 2^27 elements per row
+    assert chunk_rows(CONFIG, "tokens", 1, 131072) == (4096, 1024)
+    assert chunk_rows(CONFIG, "memo", 2, 131072)[0] == 2 * 131072 // 64  # per sequence, 2^25 elements per row
     assert chunk_rows(CONFIG, "tokens", 1, 1024) == (1024, 1024)  # short: one chunk
 
 
@@ -47,7 +48,7 @@ def test_chunk_rows_follow_the_runtime_rule():
 def test_the_closed_form_is_within_one_percent_of_direct_profiles(mode, lengths):
     profiler_for = _profiler_for(mode)
     fitted = FittedFootprint(profiler_for, MODES[mode].chunking)
-    for seq_len in lengths:  # each in the regime of its own chunk counts (4 to 16 MLP chunks, 32 to 128 head chunks)
+    for seq_len in lengths:  # each in the regime of its own chunk counts (4 to 64 MLP chunks, 16 to 256 head chunks)
         direct = profiler_for(AUTO_CHUNKS).footprint(seq_len)
         fast = fitted.footprint(seq_len)
         assert fast.device.total == pytest.approx(direct.device.total, rel=0.01), seq_len

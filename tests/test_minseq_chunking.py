@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from hf_memo.config import MemoConfig
 from hf_memo.minseq.chunking import auto_chunks, chunk_bounds, resolve_chunks
 
-CAP = MemoConfig().max_chunk_elements
+CAP = 2**28  # the rule at a given cap (the default's own counts: test_the_default_cap_...)
 
 
 @given(rows=st.integers(0, 5000), chunks=st.integers(1, 300))
@@ -55,7 +55,7 @@ def test_auto_prefers_a_count_that_divides_the_tokens():
 def test_auto_grows_the_chunk_count_with_the_sequence_so_a_chunk_stays_bounded(tokens, width):
     chunks = auto_chunks(tokens, width, 4096, 1024, CAP)
     largest = max(stop - start for start, stop in chunk_bounds(tokens, chunks))
-    assert largest * width <= CAP  # 2**28 elements: 1 GiB of float32 logits, at any length
+    assert largest * width <= CAP  # at any length
     assert largest >= 1024
 
 
@@ -72,3 +72,15 @@ def test_min_chunk_tokens_wins_over_the_element_cap():
 def test_resolve_passes_explicit_counts_through():
     assert resolve_chunks(5, 10, 100, 10, 1024, CAP) == 5
     assert resolve_chunks("auto", 65536, 14336, 4096, 1024, CAP) == 4
+
+
+def test_the_default_cap_cuts_llama_3_8b_into_4096_token_mlp_and_1024_token_head_chunks_on_long_sequences():
+    """2^26 elements: a chunk's MLP intermediate at most 128 MiB in bf16, an LM-head chunk 256 MiB of fp32 logits (the
+    memo executor's working set at 262,144 tokens holds one chunk's MLP backward)."""
+    cap = MemoConfig().max_chunk_elements
+    assert cap == 2**26
+    assert auto_chunks(262144, 14336, 4096, 1024, cap) == 64
+    assert auto_chunks(262144, 128256, 4096, 1024, cap) == 256
+    assert auto_chunks(2**20, 14336, 4096, 1024, cap) == 256
+    assert auto_chunks(2**20, 128256, 4096, 1024, cap) == 1024  # min_chunk_tokens: never under 1,024 tokens
+    assert auto_chunks(16384, 14336, 4096, 1024, cap) == 4  # where the cap does not bind, the MsT rule

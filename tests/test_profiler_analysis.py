@@ -10,7 +10,7 @@ from hf_memo.profiler.analysis import (
     unfreed,
 )
 from hf_memo.profiler.step import trace_training_step
-from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
+from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 from tests.test_profiler_step import build
 
 
@@ -93,3 +93,26 @@ def test_identical_decoder_layers_give_identical_traces(mode, lora):
         check_identical_layers(trace)
     for direction in ("forward", "backward"):
         assert canonical(layer_trace(trace, 1, direction).events) == canonical(layer_trace(trace, 2, direction).events)
+
+
+def test_peak_chooses_the_highest_moment_by_the_restated_bytes():
+    """With ``restate`` (e.g. a DeepSpeed rank's states in place of the profile's) the forward moment may be the
+    highest though the profile's own bytes peak in backward."""
+    events = [
+        AllocationEvent("malloc", 0, 10, "layer 0 forward", "parameter"),
+        AllocationEvent("malloc", 1, 50, "layer 0 forward", "activation"),
+        AllocationEvent("free", 1, 50, "layer 0 backward", "activation"),
+        AllocationEvent("malloc", 2, 30, "layer 0 backward", "gradient"),
+        AllocationEvent("malloc", 3, 25, "layer 0 backward", "temporary"),
+    ]
+    trace = AllocationTrace(events)
+    gradient = CATEGORIES.index("gradient")
+
+    def shrink_gradients(values):
+        values = values.copy()
+        values[:, gradient] = values[:, gradient] // 6
+        return values
+
+    assert peak(trace).total == 65 and peak(trace).phase == "layer 0 backward"
+    restated = peak(trace, restate=shrink_gradients)
+    assert restated.total == 60 and restated.phase == "layer 0 forward" and restated.by_category["activation"] == 50

@@ -167,10 +167,11 @@ def test_a_swapped_layer_arrives_in_pieces_no_larger_than_what_the_layer_above_g
     assert_same_grads(model, reference)
     assert sorted(joined) == [0, 0, 1, 1, 2, 2]  # layers 0-2 are below another, once per micro-batch
     for index in range(3):
-        assert len(asked[index]) == 2 * 5 and asked[index] == sorted(asked[index][:5]) * 2  # one call per chunk
-        assert asked[index][4] == key_sums_bytes  # every chunk's sums given back by the end
+        # per micro-batch: nothing given back at the start, then one call per chunk
+        assert len(asked[index]) == 2 * 6 and asked[index] == sorted(asked[index][:6]) * 2 and asked[index][0] == 0
+        assert asked[index][5] == key_sums_bytes  # every chunk's sums given back by the end
         with_buffers, whole = stash_bytes[index]
-        assert fetched[index][4] == min(with_buffers, key_sums_bytes)  # as much as fits
+        assert fetched[index][0] == 0 and fetched[index][5] == min(with_buffers, key_sums_bytes)  # as much as fits
         assert (with_buffers < whole) == keep_attention  # the attention output comes chunk by chunk instead
 
 

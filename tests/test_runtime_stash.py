@@ -118,15 +118,20 @@ def test_a_stash_fetched_in_pieces_as_memory_frees_rebuilds_every_tensor_and_giv
     assert prefetch.reserved_bytes == 0
 
 
-def test_pieces_are_not_fetched_into_an_arena_s_buffers():
-    """An arena lays out the prefetch buffers, not pieces beside them: a stash served by one fetches whole, when the
-    layer above's backward begins, as before."""
-    stash, _ = _stash()
-    stash._prefetch.arena = object()  # only its presence is read before the buffers are taken
-    stash.add(torch.randn(1000))
+def test_planned_slots_fetch_a_stash_whole_at_the_first_call_and_read_no_storage_in_views():
+    """With the memory planned, the profile that makes the plan and the steps its arena serves must fetch alike, as
+    the arena's regions are laid out: the whole stash into its buffers as soon as the layer above's backward asks
+    for any of it, the attention output with the rest."""
+    device = torch.device("cpu")
+    engine = CopyEngine(device)
+    prefetch = DeviceSlots("prefetch", device, engine, planned=True)
+    stash = LayerStash(1, True, engine, HostPool(device), prefetch)
+    x, out = torch.randn(1000), torch.randn(2, 300)
+    refs = [stash.add(x), stash.add(out, read_in_views=True)]
     stash.seal()
-    stash.prefetch(4 * ALIGN)
-    assert stash._pieces == []
+    stash.prefetch(0)
+    assert stash._pieces == [] and prefetch.reserved_bytes == stash.nbytes
+    assert torch.equal(stash.rebuild(refs[0]), x) and torch.equal(stash.rebuild(refs[1]), out)
 
 
 @pytest.mark.parametrize("swapped", [False, True])

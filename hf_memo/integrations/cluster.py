@@ -34,12 +34,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 from torch import nn
 from transformers import PretrainedConfig
 
 from hf_memo.parallel.heads import HeadSplit
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.phases import decoder_layers
+from hf_memo.profiler.trace import CATEGORIES
 
 ZERO_STAGES = (0, 1, 2, 3)
 GiB = 1 << 30
@@ -420,11 +422,30 @@ def all_to_all_bytes(
     return max(buffers.forward(), buffers.backward())
 
 
-def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_temporary: int = 0) -> tuple[Peak, int]:
+def rank_state_bytes(values: np.ndarray, states: ModelStates, cluster: Cluster) -> np.ndarray:
+    """Moments' device bytes by category ``(moments, len(CATEGORIES))`` with the model states a DeepSpeed rank holds
+    in place of the profile's (the same values without ZeRO): those of backward where a moment holds gradients,
+    else those before it. Which moment is the highest depends on it: a profile's own states (full gradients, AdamW
+    moments on the device) weigh backward far more than a rank's do."""
+    if cluster.zero == 0:
+        return values
+    ranked = rank_states(states, cluster)
+    column = {category: CATEGORIES.index(category) for category in ("parameter", "gradient", "optimizer")}
+    restated = values.copy()
+    backward = values[:, column["gradient"]] > 0
+    restated[:, column["parameter"]] = ranked.parameters
+    restated[:, column["gradient"]] = np.where(backward, ranked.gradients, ranked.gradients_before_backward)
+    restated[:, column["optimizer"]] = ranked.optimizer
+    return restated
+
+
+def rank_peak(
+    device: Peak, states: ModelStates, cluster: Cluster, extra_temporary: int = 0, restated: bool = False
+) -> tuple[Peak, int]:
     """One rank's device peak from a single-GPU peak at the rank's tokens, and the host bytes of its model states.
 
     Without ZeRO the profile's parameter, gradient and optimizer bytes stay; with ZeRO they are DeepSpeed's
-    (:func:`rank_states`): those of backward if the profile peaks once gradients exist, else those before it, or the
+    (:func:`rank_state_bytes`; ``restated``: ``device`` holds them already, chosen among moments that did), or the
     optimizer step's if that holds more. ``extra_temporary`` (all-to-all buffers) is added to the temporaries.
     """
     by_category = dict(device.by_category)
@@ -432,10 +453,9 @@ def rank_peak(device: Peak, states: ModelStates, cluster: Cluster, extra_tempora
     if cluster.zero == 0:
         return replace(device, total=sum(by_category.values()), by_category=by_category), 0
     ranked = rank_states(states, cluster)
-    backward = device.by_category["gradient"] > 0
-    by_category["parameter"] = ranked.parameters
-    by_category["gradient"] = ranked.gradients if backward else ranked.gradients_before_backward
-    by_category["optimizer"] = ranked.optimizer
+    if not restated:
+        values = rank_state_bytes(np.array([[by_category[c] for c in CATEGORIES]]), states, cluster)[0]
+        by_category = {c: int(v) for c, v in zip(CATEGORIES, values)}
     total = sum(by_category.values())
     if ranked.step_total + by_category["buffer"] > total:
         step = dict.fromkeys(by_category, 0)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from hf_memo.integrations.cluster import (
     RankStates,
     all_to_all_bytes,
     rank_peak,
+    rank_state_bytes,
     rank_states,
 )
 from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan
@@ -459,6 +461,7 @@ class _Job:
                 traces,
                 self.policy_profiler_for,
                 self.run_jobs,
+                restate=self.restate,
             )
         return FittedFootprint(self.profiler_for(mode), MODES[mode].chunking, self.search_limit, traces)
 
@@ -471,8 +474,9 @@ class _Job:
         return self._states
 
     def adjust(self, model: nn.Module, all_to_all: bool = True) -> Callable[[Peak, int], tuple[Peak, int]]:
-        """One rank's device peak and the host bytes of its model states, from a peak at its tokens: a single
-        GPU's (``all_to_all``: the Ulysses exchanges' bytes are added) or a rank's (they are in it)."""
+        """One rank's device peak and the host bytes of its model states, from a peak at its tokens chosen among
+        moments :meth:`restate` restated: a single GPU's (``all_to_all``: the Ulysses exchanges' bytes are added) or
+        a rank's (they are in it)."""
         element = next(p for p in model.parameters() if p.dim() >= 2).element_size()
 
         def adjust(device: Peak, rank_seq_len: int) -> tuple[Peak, int]:
@@ -481,9 +485,14 @@ class _Job:
             a2a = (
                 all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element) if all_to_all else 0
             )
-            return rank_peak(device, self.states(), self.cluster, a2a)
+            return rank_peak(device, self.states(), self.cluster, a2a, restated=True)
 
         return adjust
+
+    def restate(self, values: np.ndarray) -> np.ndarray:
+        """Profile moments' device bytes by category with the model states as a rank holds them (ZeRO), so the
+        highest moment is chosen with them (:func:`~hf_memo.integrations.cluster.rank_state_bytes`)."""
+        return rank_state_bytes(values, self.states(), self.cluster)
 
 
 def _mode_estimate(
@@ -497,7 +506,7 @@ def _mode_estimate(
 
     def at(length: int) -> tuple[Footprint, dict[str, float]]:
         rank_len = cluster.rank_seq_len(length)
-        footprint = fitted.footprint(rank_len)
+        footprint = fitted.footprint(rank_len, restate=job.restate)
         device, state_host = adjust(footprint.device, rank_len)
         host = footprint.host.total + state_host
         by_category = dict(footprint.host.by_category)

@@ -25,7 +25,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
 from hf_memo.minseq.chunking import resolve_chunks
 from hf_memo.patches.structure import mlp_width
-from hf_memo.profiler.closed_form import ClosedForm, StepSize
+from hf_memo.profiler.closed_form import ClosedForm, Restate, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.runtime.buckets import stretch
@@ -160,8 +160,9 @@ class FittedFootprint:
         longer = stretch(seq_len) if self.chunking == "memo" else 1.0
         return StepSize(layers, tokens, mlp_rows, head_rows, layer_terms, longer)
 
-    def footprint(self, seq_len: int, layers: int | None = None) -> Footprint:
-        """Peak device and host bytes of a step of ``(batch_size, seq_len)`` with ``layers`` (default all)."""
+    def footprint(self, seq_len: int, layers: int | None = None, restate: Restate | None = None) -> Footprint:
+        """Peak device and host bytes of a step of ``(batch_size, seq_len)`` with ``layers`` (default all); the
+        device's moments ``restate``d before the highest is chosen (see :meth:`ClosedForm.peak`)."""
         size = self.size(seq_len, layers)
         layers = self.layers if layers is None else layers
-        return Footprint(seq_len, self._device.peak(size), self._host.peak(size), layers, self.method)
+        return Footprint(seq_len, self._device.peak(size, restate), self._host.peak(size), layers, self.method)

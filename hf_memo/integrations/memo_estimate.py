@@ -31,6 +31,7 @@ from hf_memo.parallel.heads import HeadSplit
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
+from hf_memo.profiler.closed_form import Restate
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
@@ -206,6 +207,9 @@ class MemoModel:
         policy_profiler_for: ``policy_profiler_for(policy, chunks)`` -> a fresh-model :class:`StepProfiler` of the
             memo mode running ``policy``.
         run_jobs: runs profile jobs and returns their traces in order (by default here, one after the other).
+        restate: maps profile moments' bytes by category to those that count before the highest is chosen (the
+            model states as a rank holds them; see :meth:`~hf_memo.profiler.closed_form.ClosedForm.peak`), for
+            ``adjust`` to take; by default the profile's own.
     """
 
     def __init__(
@@ -219,6 +223,7 @@ class MemoModel:
         traces: Sequence[AllocationTrace] | None = None,
         policy_profiler_for: Callable[[MemoryPolicy, Chunks], StepProfiler] | None = None,
         run_jobs: Runner = _run_here,
+        restate: Restate | None = None,
     ) -> None:
         if policy_profiler_for is None:
             raise ValueError("MemoModel needs policy_profiler_for: policies are sized from their own profiles")
@@ -235,7 +240,7 @@ class MemoModel:
         self.batch_size = self._batch_size = batch_size
         self.sequence_parallel = sequence_parallel
         self.gpu = gpu
-        self._adjust = adjust
+        self._adjust, self._restate = adjust, restate
         self._max_seq_len = max_seq_len
         self._policy_profiler_for, self.run_jobs = policy_profiler_for, run_jobs
         depth, seq_len = plan.depths[0], plan.seq_lens[-1]
@@ -283,7 +288,7 @@ class MemoModel:
         ``"optimizer"``)."""
         shape = policy if isinstance(policy, PolicyShape) else PolicyShape.of(policy)
         seq_len = bucket_length(seq_len)
-        device, host = self.footprint_of(shape).peaks(shape, seq_len)
+        device, host = self.footprint_of(shape).peaks(shape, seq_len, restate=self._restate)
         state_host = 0
         if self._adjust is not None:
             device, state_host = self._adjust(device, seq_len)

@@ -30,7 +30,7 @@ from hf_memo.integrations.fitted import PROFILE_SEQ_LEN, chunk_rows, sized_for_b
 from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.analysis import Peak
-from hf_memo.profiler.closed_form import ClosedForm
+from hf_memo.profiler.closed_form import ClosedForm, Restate
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import stretch
@@ -199,10 +199,13 @@ class PolicyFootprint:
         mlp_rows, head_rows = chunk_rows(self.config, "memo", self.batch_size, seq_len, chunks)
         return PolicySize(shape, self.batch_size * seq_len, mlp_rows, head_rows, stretch(seq_len))
 
-    def peaks(self, shape: PolicyShape, seq_len: int, chunks: Chunks = AUTO_CHUNKS) -> tuple[Peak, Peak]:
+    def peaks(
+        self, shape: PolicyShape, seq_len: int, chunks: Chunks = AUTO_CHUNKS, restate: Restate | None = None
+    ) -> tuple[Peak, Peak]:
         """``(device, host)`` peaks of a step of ``(batch_size, seq_len)`` under ``shape``'s policy, chunked by
-        ``chunks`` (default: the runtime's rule)."""
+        ``chunks`` (default: the runtime's rule); the device's moments ``restate``d before the highest is chosen
+        (see :meth:`ClosedForm.peak`)."""
         if shape.kinds != self.kinds:
             raise ValueError(f"this footprint is of policies made of {self.kinds}, got {shape.kinds}")
         size = self.size(shape, seq_len, chunks)
-        return self._device.peak(size), self._host.peak(size)
+        return self._device.peak(size, restate), self._host.peak(size)

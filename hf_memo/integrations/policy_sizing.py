@@ -35,11 +35,13 @@ def twin_preparer(
     model: nn.Module, policy: MemoryPolicy | None = None, chunks: Chunks | None = None
 ) -> Callable[[nn.Module, FakeSession], nn.Module]:
     """``prepare(fake, session)``: make a bare fake copy of ``model``'s causal LM what ``model`` is (PEFT adapters,
-    ``hf_memo.apply`` with its config, no planner, one rank: under sequence parallelism a rank's shard is profiled
-    as one device's step), running ``policy`` and cutting ``(mlp_chunks, lm_head_chunks)`` if given."""
+    ``hf_memo.apply`` with its config, no planner of its own but fetching as planned steps do if ``model``'s are,
+    one rank: under sequence parallelism a rank's shard is profiled as one device's step), running ``policy`` and
+    cutting ``(mlp_chunks, lm_head_chunks)`` if given."""
     config = applied_config(model)
     if config is None:
         raise ValueError("a fake copy needs a model patched by hf_memo.apply")
+    planned = config.planner != "off"
     config = config.replace(planner="off", sequence_parallel_size=1)
     if chunks is not None:
         config = config.replace(mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
@@ -55,6 +57,7 @@ def twin_preparer(
         runtime = memo_runtime(fake)
         if runtime is not None:
             runtime.sizer = None  # a copy's own decisions are not sized (no profile inside a profile)
+            runtime.planned_memory = planned
             if policy is not None:
                 runtime.assume_policy(policy)
         return fake

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from hf_memo.profiler.trace import CATEGORIES, AllocationEvent, AllocationTrace
 
@@ -30,8 +33,12 @@ def live_bytes(trace: AllocationTrace, location: str = "device") -> list[int]:
     return curve
 
 
-def peak(trace: AllocationTrace, location: str = "device") -> Peak:
-    """The first moment the bytes alive at ``location`` are highest, with their breakdown by category."""
+def peak(
+    trace: AllocationTrace, location: str = "device", restate: Callable[[np.ndarray], np.ndarray] | None = None
+) -> Peak:
+    """The first moment the bytes alive at ``location`` are highest, with their breakdown by category; with
+    ``restate``, the bytes that count at each moment are ``restate(bytes by category)`` (``(1, len(CATEGORIES))``,
+    e.g. the model states as a DeepSpeed rank holds them in place of the profile's)."""
     by_category = dict.fromkeys(CATEGORIES, 0)
     best = Peak(0, dict(by_category))
     live = 0
@@ -41,8 +48,13 @@ def peak(trace: AllocationTrace, location: str = "device") -> Peak:
         sign = 1 if event.op == "malloc" else -1
         live += sign * event.size
         by_category[event.category] += sign * event.size
-        if live > best.total:
-            best = Peak(live, dict(by_category), index, event.phase)
+        if restate is None:
+            if live > best.total:
+                best = Peak(live, dict(by_category), index, event.phase)
+            continue
+        values = restate(np.array([[by_category[c] for c in CATEGORIES]], dtype=np.int64))[0]
+        if int(values.sum()) > best.total:
+            best = Peak(int(values.sum()), {c: int(v) for c, v in zip(CATEGORIES, values)}, index, event.phase)
     return best
 
 

@@ -101,6 +101,10 @@ class StepSize:
         return np.array(base + [float(self.mlp_rows), float(self.head_rows)])
 
 
+Restate = Callable[[np.ndarray], np.ndarray]
+"""``restate(values)``: moments' bytes by category ``(moments, len(CATEGORIES))`` -> the bytes that count."""
+
+
 class ClosedForm:
     """Per-slot, per-category lines fitted to profiles of one step at several sizes.
 
@@ -149,13 +153,18 @@ class ClosedForm:
         self._coefficients = np.linalg.lstsq(features, unsized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
         self._sized = np.linalg.lstsq(features, sized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
 
-    def peak(self, size: StepSize) -> Peak:
-        """The peak at ``location`` of the step of ``size``: the highest slot's value, by category."""
+    def peak(self, size: StepSize, restate: Restate | None = None) -> Peak:
+        """The peak at ``location`` of the step of ``size``: the highest slot's value, by category. ``restate`` maps
+        every moment's bytes by category (``(moments, len(CATEGORIES))``) to those that count before the highest is
+        chosen: e.g. the model states as a DeepSpeed rank holds them, which differ between forward and backward, in
+        place of the profile's."""
         x = size.features()
         if x.shape[0] != self.width:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
         coefficients = self._coefficients + size.stretch * self._sized
         values = np.rint(np.einsum("f,fkc->kc", x, coefficients)).astype(np.int64)
+        if restate is not None:
+            values = restate(values)
         phases = [size.phase(slot) for slot in self._slots]
         has = np.array([phase is not None for phase in phases])[self._slot_of_key]  # the slots this size has
         totals = np.where(has, values.sum(axis=1), 0)

@@ -370,7 +370,8 @@ class MemoLayerFunction(torch.autograd.Function):
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         traits, length = ctx.split.traits, ctx.x_ref.shape[1]
         if _runs_in_blocks(ctx.core, length, traits):
-            backward = _blocked_backward  # fetches the layer below piece by piece, as it frees its keys' gradients
+            ctx.runtime.fetch_below(stash, 0)  # then piece by piece, as it frees its keys' gradient sums
+            backward = _blocked_backward
         else:
             ctx.runtime.fetch_below(stash, None)
             blocks_queries = getattr(ctx.core, "blocks_queries", None)

@@ -129,12 +129,14 @@ PREFETCH_SLOTS = "prefetch"
 
 class _Transport:
     """Per-device copy engine, host pool (holding at most ``host_limit`` bytes) and prefetch buffers (from
-    ``arena`` if planned)."""
+    ``arena`` once a plan is made; ``planned``: the steps' memory is planned, see :class:`DeviceSlots`)."""
 
-    def __init__(self, device: torch.device, arena: Arena | None, host_limit: int | None = None) -> None:
+    def __init__(
+        self, device: torch.device, arena: Arena | None, host_limit: int | None = None, planned: bool = False
+    ) -> None:
         self.engine = CopyEngine(device)
         self.pool = HostPool(device, limit=host_limit)
-        self.prefetch = DeviceSlots(PREFETCH_SLOTS, device, self.engine, arena)
+        self.prefetch = DeviceSlots(PREFETCH_SLOTS, device, self.engine, arena, planned)
 
 
 class MemoRuntime:
@@ -145,6 +147,7 @@ class MemoRuntime:
             that keep their input only).
         plan: the :class:`~hf_memo.planner.policy.MemoryPolicy` of the most recent layer shape.
         memory_plan: the memory plan whose arena serves the prefetch buffers (``planner`` on).
+        planned_memory: whether the steps' memory is planned (``planner`` on, or a fake copy of such a model).
 
     Args:
         planner: ``planner(batch_size, seq_len, offload=decision)`` makes a memory plan for a step of that
@@ -175,6 +178,9 @@ class MemoRuntime:
         self.sizer = sizer
         self.num_layers = num_layers
         self.memory_plan: MemoryPlan | None = None
+        # The steps' prefetch buffers are laid out by a memory plan, or a fake copy profiles such steps: stashes
+        # fetch whole, as the plan's arena is laid out (see DeviceSlots); read when a device's buffers are made.
+        self.planned_memory = config.planner != "off"
         self._planner = planner
         self._parameters = parameters
         _OptimizerSteps.track()
@@ -494,7 +500,7 @@ class MemoRuntime:
     def _transport(self, device: torch.device) -> _Transport:
         if device not in self._transports:
             arena = None if self.memory_plan is None else Arena(self.memory_plan, device)
-            self._transports[device] = _Transport(device, arena, self.host_limit)
+            self._transports[device] = _Transport(device, arena, self.host_limit, self.planned_memory)
         return self._transports[device]
 
     def open_stash(self, index: int, device: torch.device) -> LayerStash:

@@ -59,10 +59,22 @@ class DeviceSlots:
     A slot has at most one holder, the stash whose bytes it holds: handing the slot to another stash, or
     giving the buffers back, evicts the holder (:meth:`LayerStash.evict`), which fetches again when it
     needs its bytes. With several graphs alive, stashes of different graphs take turns in the same slots.
+
+    ``planned``: the steps' memory is planned (``MemoConfig.planner`` on), in the profile that makes the plan and in
+    the steps its arena serves alike, so both fetch the same way: a stash whole into its buffers, ahead of its
+    backward (no pieces, no storage read in views), as the arena's regions are laid out for.
     """
 
-    def __init__(self, name: str, device: torch.device, engine: CopyEngine, arena: Arena | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        engine: CopyEngine,
+        arena: Arena | None = None,
+        planned: bool = False,
+    ) -> None:
         self.name, self.device, self.engine, self.arena = name, device, engine, arena
+        self.planned = planned or arena is not None
         self._buffers: list[list[torch.Tensor]] = [[], []]
         self._holders: list[weakref.ref[LayerStash] | None] = [None, None]
 
@@ -168,7 +180,7 @@ class LayerStash:
         view's bytes when it is rebuilt instead of the storage with the rest."""
         storage = tensor.untyped_storage()
         if storage._cdata not in self._index_of:
-            if read_in_views:
+            if read_in_views and not self._prefetch.planned:
                 self._read_in_views.add(len(self._storages))
             self._index_of[storage._cdata] = len(self._storages)
             # detached: a stashed tensor must not reference the graph whose saved-tensor hooks reference the stash
@@ -234,18 +246,16 @@ class LayerStash:
     def prefetch(self, nbytes: int | None = None) -> None:
         """Start copying a swapped stash back to the device: all of it into its prefetch buffers, or its first
         ``nbytes``, beyond those on their way, into a piece of its own (:meth:`rebuild` joins the pieces into the
-        buffers). No-op for what is there or on its way; with an arena serving the buffers (its regions are laid
-        out for them, not for pieces) only ``nbytes=None`` fetches."""
+        buffers). No-op for what is there or on its way. Planned slots (:class:`DeviceSlots`) take the whole stash
+        at the first call."""
         if not self.swapped or self._slot_buffers is not None or self._host is None:
             return
-        if nbytes is None and not self._pieces:
+        if (nbytes is None or self._prefetch.planned) and not self._pieces:
             parts = self._parts()
             buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
             for buffer, (start, stop) in zip(buffers, parts):
                 self._fetched = self._engine.to_device(buffer, self._host[start:stop], self._stored)
             self._slot_buffers = buffers
-            return
-        if not self._prefetch.buffers_outlive_release:
             return
         start = self._pieces[-1][0] + self._pieces[-1][1].numel() if self._pieces else 0
         last = self._fetched_with_buffers
