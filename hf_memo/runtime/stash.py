@@ -211,14 +211,11 @@ class LayerStash:
         self._layout = [(0, 0, torch.uint8)] * len(self._storages)
         order = sorted(range(len(self._storages)), key=lambda index: index in self._read_in_views)
         for index in order:  # the storages read in views last: the prefetch buffers hold the bytes before them
-            if index in self._read_in_views and not self._fetched_with_buffers:
-                self._fetched_with_buffers = self.nbytes
             whole = self._storages[index]
             nbytes = whole.numel() * whole.element_size()
             self._layout[index] = (self.nbytes, nbytes, whole.dtype)
             self.nbytes += _aligned(nbytes)
-        if not self._read_in_views:
-            self._fetched_with_buffers = self.nbytes
+        self._fetched_with_buffers = min((self._layout[i][0] for i in self._read_in_views), default=self.nbytes)
         if not self.swapped:
             return
         try:
@@ -251,8 +248,7 @@ class LayerStash:
         if not self.swapped or self._slot_buffers is not None or self._host is None:
             return
         if (nbytes is None or self._prefetch.planned) and not self._pieces:
-            parts = self._parts()
-            buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
+            parts, buffers = self._acquire_buffers()
             for buffer, (start, stop) in zip(buffers, parts):
                 self._fetched = self._engine.to_device(buffer, self._host[start:stop], self._stored)
             self._slot_buffers = buffers
@@ -265,10 +261,14 @@ class LayerStash:
             self._fetched = self._engine.to_device(piece, self._host[start:stop], self._stored)
             self._pieces.append((start, piece))
 
+    def _acquire_buffers(self) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+        """The byte ranges of :meth:`_parts` and the prefetch slot's buffers for them, held by this stash."""
+        parts = self._parts()
+        return parts, self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
+
     def _join_pieces(self) -> None:
         """Copy the pieces fetched ahead into the prefetch buffers, each piece given back once its bytes are in."""
-        parts = self._parts()
-        buffers = self._prefetch.acquire(self.index % 2, [stop - start for start, stop in parts], holder=self)
+        parts, buffers = self._acquire_buffers()
         for buffer, (start, stop) in zip(buffers, parts):
             for first, piece in self._pieces:
                 low, high = max(start, first), min(stop, first + piece.numel())
