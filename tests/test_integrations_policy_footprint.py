@@ -98,7 +98,7 @@ def test_every_policy_of_a_block_structure_is_its_own_direct_profile(kinds, seed
     # A bottom block of three at a length where a host layer's fetch outweighs a layer's parameter gradients: the
     # bottom layer fetches nothing and the top one has the fewest gradients, so the middle layer peaks highest.
     lowest = 1 if len(kinds) == 2 and sp == 1 else 2
-    most = 6 if len(kinds) == 2 else 4  # four kinds of up to 4 layers: up to 16 layers in a direct profile
+    most = 6 if len(kinds) == 2 else 3  # four kinds of up to 3 layers: up to 12 layers in a direct profile
     seq_lens = (1536, 2560, 3584)  # whole 128-row blocks of the CUDA kernel, like bucket lengths
     for counts, seq_len in [
         (tuple(rng.randint(lowest, most) for _ in kinds), rng.choice(seq_lens)),

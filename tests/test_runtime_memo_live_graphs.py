@@ -59,8 +59,12 @@ def _reference_grads(reference, batches) -> None:
 
 
 # Three graphs' six orders hold every order of two of them: the planner's greedy arena runs them only
-@pytest.mark.parametrize("graphs,planner", [(2, "off"), (3, "off"), (3, "greedy")])
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize(
+    "graphs,planner,policy",
+    [(graphs, "off", policy) for graphs in (2, 3) for policy in POLICIES]
+    # the planner's arena: the mixed policy holds every kind of layer; offload 0.5 host and device layers of one alpha
+    + [(3, "greedy", policy) for policy in ("offload 0.5", "mixed")],
+)
 def test_live_graphs_give_the_unpatched_gradients_in_every_backward_order(graphs, policy, planner):
     model, reference = _models(POLICIES[policy], planner)
     batches = _batches(graphs)
