@@ -173,12 +173,16 @@ class KeyGradSums:
     @torch.no_grad()
     def add(self, heads: slice, keys: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add one kernel call's ``dk, dv`` ``(B, h', keys.stop - keys.start, D)``, the gradients of keys ``keys`` of
-        KV heads ``heads``, to every piece they overlap."""
+        KV heads ``heads``, to every piece they overlap: one foreach add for all of them (a prefix overlaps as many
+        pieces as there are blocks below it, and one add each made a layer's backward quadratic in its blocks)."""
+        totals, parts = [], []
         for (start, stop), sums in self.pieces.items():
             first, last = max(start, keys.start), min(stop, keys.stop)
             if first < last:
                 for total, part in zip(sums, (dk, dv)):
-                    total[:, heads, first - start : last - start] += part[:, :, first - keys.start : last - keys.start]
+                    totals.append(total[:, heads, first - start : last - start])
+                    parts.append(part[:, :, first - keys.start : last - keys.start])
+        torch._foreach_add_(totals, parts)
 
     def pop(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here."""
