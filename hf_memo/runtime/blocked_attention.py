@@ -167,25 +167,41 @@ class KeyGradSums:
             (start, stop): tuple(
                 torch.zeros((*t.shape[:2], stop - start, t.shape[3]), dtype=wide, device=t.device) for t in (k, v)
             )
-            for start, stop in bounds or [(0, k.shape[2])]
+            for start, stop in sorted(bounds or [(0, k.shape[2])])
         }
+        # each piece's sums of one group of KV heads, made once: a prefix overlaps as many pieces as there are
+        # blocks below it, and slicing them anew for each kernel call made a layer's backward quadratic in its blocks
+        self._head_views: dict[tuple[int, int, int | None, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
     def add(self, heads: slice, keys: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add one kernel call's ``dk, dv`` ``(B, h', keys.stop - keys.start, D)``, the gradients of keys ``keys`` of
-        KV heads ``heads``, to every piece they overlap: one foreach add for all of them (a prefix overlaps as many
-        pieces as there are blocks below it, and one add each made a layer's backward quadratic in its blocks)."""
-        totals, parts = [], []
+        KV heads ``heads``, to every piece they overlap (pieces tile the keys: one ``split`` of ``dk``/``dv`` and one
+        foreach add for all of them)."""
+        totals, sizes = [], []
         for (start, stop), sums in self.pieces.items():
             first, last = max(start, keys.start), min(stop, keys.stop)
             if first < last:
-                for total, part in zip(sums, (dk, dv)):
-                    totals.append(total[:, heads, first - start : last - start])
-                    parts.append(part[:, :, first - keys.start : last - keys.start])
-        torch._foreach_add_(totals, parts)
+                key = (start, stop, heads.start, heads.stop)
+                if key not in self._head_views:
+                    self._head_views[key] = tuple(total[:, heads] for total in sums)
+                views = self._head_views[key]
+                if (first, last) != (start, stop):
+                    views = tuple(view[:, :, first - start : last - start] for view in views)
+                totals.append(views)
+                sizes.append(last - first)
+        if sum(sizes) != keys.stop - keys.start:
+            summed = sorted(self.pieces)
+            raise ValueError(f"keys {keys.start}:{keys.stop} reach past the pieces still summed ({summed})")
+        parts = [part.split(sizes, dim=2) for part in (dk, dv)]
+        torch._foreach_add_(
+            [view for pair in totals for view in pair], [piece for pair in zip(*parts) for piece in pair]
+        )
 
     def pop(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here."""
+        for key in [key for key in self._head_views if key[:2] == (start, stop)]:
+            del self._head_views[key]
         return self.pieces.pop((start, stop))
 
 
