@@ -242,3 +242,25 @@ def test_the_query_block_core_runs_attention_whole_where_it_may_not_block():
     assert torch.equal(out, want_out)
     got = QueryBlockAttention(4).backward(upstream, q, k, v, out, stats, traits)
     _assert_close(got, attention_backward(upstream, q, k, v, want_out, want_stats, traits), 0)
+
+
+def test_key_grad_sums_in_pieces_equal_one_sum_and_refuse_keys_of_a_finished_piece():
+    """Prefix gradients of several kernel calls (per KV head and whole), added to pieces that do not line up with the
+    calls' keys: each piece holds exactly its positions of one running fp32 sum; a popped piece takes no more."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, SEQ, 8, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    bounds = chunk_bounds(SEQ, 4)
+    pieces, whole = KeyGradSums(k, v, list(reversed(bounds))), KeyGradSums(k, v)
+    calls = [(slice(0, 1), slice(3, 20)), (slice(1, 2), slice(0, SEQ)), (slice(None), slice(9, 11))]
+    for heads, keys in calls:
+        shape = (1, 2 if heads.start is None else 1, keys.stop - keys.start, 8)
+        dk, dv = (torch.randn(shape, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        pieces.add(heads, keys, dk, dv)
+        whole.add(heads, keys, dk, dv)
+    want_k, want_v = whole.pop(0, SEQ)
+    assert want_k.dtype == torch.float32
+    for start, stop in bounds[::-1][:-1]:
+        got_k, got_v = pieces.pop(start, stop)
+        assert torch.equal(got_k, want_k[:, :, start:stop]) and torch.equal(got_v, want_v[:, :, start:stop])
+    with pytest.raises(ValueError, match="reach past the pieces still summed"):
+        pieces.add(slice(None), slice(0, SEQ), torch.zeros(1, 2, SEQ, 8), torch.zeros(1, 2, SEQ, 8))
