@@ -171,7 +171,7 @@ class KeyGradSums:
         }
         # each piece's sums of one group of KV heads, made once: a prefix overlaps as many pieces as there are
         # blocks below it, and slicing them anew for each kernel call made a layer's backward quadratic in its blocks
-        self._head_views: dict[tuple[int, int, int | None, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._head_views: dict[tuple[int, int], dict[tuple[int | None, int | None], tuple[torch.Tensor, ...]]] = {}
 
     @torch.no_grad()
     def add(self, heads: slice, keys: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
@@ -182,10 +182,10 @@ class KeyGradSums:
         for (start, stop), sums in self.pieces.items():
             first, last = max(start, keys.start), min(stop, keys.stop)
             if first < last:
-                key = (start, stop, heads.start, heads.stop)
-                if key not in self._head_views:
-                    self._head_views[key] = tuple(total[:, heads] for total in sums)
-                views = self._head_views[key]
+                by_heads = self._head_views.setdefault((start, stop), {})
+                if (heads.start, heads.stop) not in by_heads:
+                    by_heads[heads.start, heads.stop] = tuple(total[:, heads] for total in sums)
+                views = by_heads[heads.start, heads.stop]
                 if (first, last) != (start, stop):
                     views = tuple(view[:, :, first - start : last - start] for view in views)
                 totals.append(views)
@@ -200,8 +200,7 @@ class KeyGradSums:
 
     def pop(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here."""
-        for key in [key for key in self._head_views if key[:2] == (start, stop)]:
-            del self._head_views[key]
+        self._head_views.pop((start, stop), None)
         return self.pieces.pop((start, stop))
 
 
