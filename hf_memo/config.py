@@ -100,6 +100,9 @@ class MemoConfig:
         sequence_parallel_size: GPUs one sequence is split over (DeepSpeed-Ulysses); 1 disables. It must
             divide the world size and the model's query heads, and divide or be a multiple of its KV
             heads (checked when applied to a model and when training starts).
+        self_check: on the first training step, compare the patched model with the unpatched one on a few rows of
+            the step's batch (loss, every layer's output, one vector-Jacobian product) and refuse a model that
+            differs beyond rounding (:mod:`hf_memo.patches.self_check`). ``False`` trains without that proof.
 
     Settings are checked together too. A setting that asks for what the others rule out is an error: an
     ``offload_fraction`` other than ``"auto"`` without ``recompute="memo"`` (nothing is offloaded). A setting
@@ -124,6 +127,7 @@ class MemoConfig:
     planner: str = "off"
     planner_time_limit: float = 10.0
     sequence_parallel_size: int = 1
+    self_check: bool = True
 
     def __post_init__(self) -> None:
         for name in ("mlp_chunks", "lm_head_chunks"):
@@ -150,6 +154,8 @@ class MemoConfig:
             raise _bad("planner_time_limit", "a number of seconds > 0", self.planner_time_limit)
         if not (_is_int(self.sequence_parallel_size) and self.sequence_parallel_size >= 1):
             raise _bad("sequence_parallel_size", "an int >= 1", self.sequence_parallel_size)
+        if not isinstance(self.self_check, bool):
+            raise _bad("self_check", "True or False", self.self_check)
         self._check_combination()
 
     def _check_combination(self) -> None:

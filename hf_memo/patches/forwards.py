@@ -32,6 +32,7 @@ from hf_memo.patches.inplace_probe import writes_into_kept_outputs
 from hf_memo.patches.layer_split import GenericSplit, LayerArguments, eval_mode, find_anatomy, outputs_not_recorded
 from hf_memo.patches.mask_packing import masks_see_packing
 from hf_memo.patches.packing import describe_training_batch
+from hf_memo.patches.probe_mode import trains
 from hf_memo.patches.router_logits import (
     RouterLogitsSplit,
     RouterLogitsTap,
@@ -39,6 +40,7 @@ from hf_memo.patches.router_logits import (
     router_aux_loss_coef,
     wants_router_logits,
 )
+from hf_memo.patches.self_check import SelfCheck
 from hf_memo.patches.structure import Structure
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
@@ -105,6 +107,7 @@ def causal_lm_forward(
     runtime: MemoRuntime | None,
     deferral: FinalNormDeferral,
     zero3: Zero3Regions,
+    self_check: SelfCheck,
     model: PreTrainedModel,
     inner: Callable,
     *args: Any,
@@ -137,6 +140,8 @@ def causal_lm_forward(
     logits_to_keep = arguments.pop("logits_to_keep", 0)
     if labels is None or not _keeps_all_logits(logits_to_keep):
         return _original_forward(model, sequence_parallel, inner, args, kwargs)
+    if self_check.due(model, _sequence(arguments)):
+        self_check.run(model, arguments, extra, labels)
     if is_partitioned(model):  # DeepSpeed ZeRO-3: each layer and the loss are gathered whole, once
         zero3.ensure()
     if "use_cache" in signature.parameters:
@@ -198,21 +203,36 @@ def causal_lm_forward(
 
 
 def backbone_forward(
-    model: PreTrainedModel, zero3: Zero3Regions, backbone: nn.Module, inner: Callable, *args: Any, **kwargs: Any
+    model: PreTrainedModel,
+    zero3: Zero3Regions,
+    self_check: SelfCheck,
+    backbone: nn.Module,
+    inner: Callable,
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
     """The backbone's forward. A training forward that did not come through :func:`causal_lm_forward`'s loss (a
     trainer's own LM head, e.g. TRL's ``fused_lm_head``, or a call without labels) gets its batch described here:
-    packed and padded rows attend per sample in every mode, and no cache is built."""
-    if not backbone.training or LAYOUT_KEYWORD in kwargs:
+    packed and padded rows attend per sample in every mode, and no cache is built; the first runs ``self_check``
+    (its probe's labels are the input ids)."""
+    if not trains(backbone) or LAYOUT_KEYWORD in kwargs:
         return inner(*args, **kwargs)
+    arguments = _bound_arguments(inner, args, kwargs)
+    if torch.is_grad_enabled() and self_check.due(model, _sequence(arguments)):
+        self_check.run(model, arguments, {}, None)
     if is_partitioned(backbone):
         zero3.ensure()
-    arguments = _bound_arguments(inner, args, kwargs)
     if "use_cache" in inspect.signature(inner).parameters:
         arguments["use_cache"] = False
     arguments = describe_training_batch(model, arguments, None, {})
     with masks_see_packing(model.config.model_type, arguments):
         return inner(**arguments)
+
+
+def _sequence(arguments: dict[str, Any]) -> torch.Tensor | None:
+    """The ``(B, S)`` input ids, else the ``(B, S, H)`` input embeddings, of a forward's named arguments."""
+    ids = arguments.get("input_ids")
+    return ids if ids is not None else arguments.get("inputs_embeds")
 
 
 def _original_forward(
@@ -263,7 +283,7 @@ def memo_layer_forward(
     checkpoint function is one of one's own (see :meth:`HFCheckpointingTakeover.custom_checkpoint`) runs
     through that function instead: it decides what the layer keeps, and the executor keeps nothing for it.
     """
-    if not (layer.training and torch.is_grad_enabled()):
+    if not (trains(layer) and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     arguments = _bound_arguments(inner, args, kwargs)
     custom = takeover.custom_checkpoint(layer)  # transformers' own checkpointing is replaced by the executor's
@@ -371,7 +391,7 @@ def checkpointed_layer_forward(
     The hidden states ``(B, S, H)`` go to ``torch.utils.checkpoint`` positionally: it records the RNG state of
     the devices of its positional tensors only, and the recomputation must draw the forward's dropout masks.
     """
-    if not (layer.training and torch.is_grad_enabled()):
+    if not (trains(layer) and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
     arguments = _bound_arguments(inner, args, kwargs)
     custom = takeover.custom_checkpoint(layer)

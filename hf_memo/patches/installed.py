@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -58,6 +59,41 @@ class PatchRecord:
     def install_forward(self, module: Any, impl: Callable) -> None:
         """Replace ``module.forward`` (whatever it currently is) by ``impl`` wrapped around it."""
         self.set(module, "forward", InstalledForward(module, module.forward, impl))
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside, the module behaves as unpatched: every installed forward calls what it replaced, every other
+        attribute set is what it was before. Afterwards everything is as it was inside :meth:`set`."""
+        switched = []
+        for obj, name, previous, value in reversed(self._changes):
+            if isinstance(value, InstalledForward):
+                switched.append((value, value.active))
+                value.active = False
+            elif previous is _Missing:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = previous
+        try:
+            yield
+        finally:
+            for forward, active in switched:
+                forward.active = active
+            for obj, name, _previous, value in self._changes:
+                if not isinstance(value, InstalledForward):
+                    obj.__dict__[name] = value
+
+    def undo_attribute(self, name: str) -> None:
+        """Undo every change of an attribute called ``name`` (not installed forwards), keeping the others."""
+        kept = []
+        for change in self._changes:
+            obj, changed, previous, value = change
+            if changed != name or isinstance(value, InstalledForward):
+                kept.append(change)
+            elif previous is _Missing:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = previous
+        self._changes = kept
 
     def undo(self) -> None:
         for obj, name, previous, value in reversed(self._changes):

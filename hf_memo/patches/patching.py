@@ -26,6 +26,7 @@ from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.inplace_probe import layers_writing_into_kept_outputs
 from hf_memo.patches.installed import PatchRecord
 from hf_memo.patches.sample_attention import install_sample_attention
+from hf_memo.patches.self_check import SelfCheck
 from hf_memo.patches.structure import Structure, describe
 from hf_memo.runtime.memo import MemoRuntime
 from hf_memo.runtime.model_planner import plan_patched_model
@@ -42,6 +43,7 @@ class PatchState:
     structure: Structure
     record: PatchRecord
     zero3: Zero3Regions
+    self_check: SelfCheck
     runtime: MemoRuntime | None = None
 
 
@@ -96,14 +98,16 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
     record.install_forward(norm, partial(final_norm_forward, deferral))
     zero3 = Zero3Regions([(layer, [layer]) for layer in layers] + [(head, [head, norm])], head)
     record.install_forward(head, partial(head_forward, zero3.head_region))
+    # not under sequence parallelism, whose shards a few probe rows do not fill
+    check = SelfCheck(config.recompute, structure, record, pending=config.self_check and sequence_parallel is None)
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
-        record.install_forward(backbone, partial(backbone_forward, model, zero3))
+        record.install_forward(backbone, partial(backbone_forward, model, zero3, check))
     record.install_forward(
-        model, partial(causal_lm_forward, config, structure, sequence_parallel, runtime, deferral, zero3)
+        model, partial(causal_lm_forward, config, structure, sequence_parallel, runtime, deferral, zero3, check)
     )
     if zero3_expected(model):  # registered before DeepSpeed records its first trace of the model
         zero3.ensure()
-    model.__dict__[_STATE_ATTR] = PatchState(config, structure, record, zero3, runtime)
+    model.__dict__[_STATE_ATTR] = PatchState(config, structure, record, zero3, check, runtime)
 
 
 def unpatch_model(model: PreTrainedModel) -> None:

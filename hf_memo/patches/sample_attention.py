@@ -87,3 +87,9 @@ def install_sample_attention(model: PreTrainedModel, record: Any) -> None:
 def attends_per_sample(model: PreTrainedModel) -> bool:
     """Whether :func:`install_sample_attention` wrapped ``model``'s attention."""
     return bool(model.__dict__.get(_INSTALLED, False))
+
+
+def uninstall_sample_attention(model: PreTrainedModel, record: Any) -> None:
+    """Undo :func:`install_sample_attention`: the attention layers use transformers' masks again."""
+    record.undo_attribute("config")
+    record.undo_attribute(_INSTALLED)

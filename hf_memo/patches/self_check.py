@@ -1,0 +1,393 @@
+"""The self-check: on a model's first training step, hf_memo's patched model against the unpatched one.
+
+hf_memo's promise is the unpatched model's loss and gradients. Its patches assume that a family computes what
+the families its tests build compute; a family that branches on the attention implementation's name, builds
+masks inside its layers or passes its layers fixed arguments takes another path. No list of families can
+foresee them, so every patched model checks itself, whatever its mode, before any gradient reaches the optimizer:
+
+1. The step's own batch, cut to its first ``PROBE_TOKENS`` positions of up to ``PROBE_ROWS`` rows (its mask,
+   positions, packing and labels cut alike), goes through the model twice with every module in eval mode (no
+   dropout): with every patch suspended (transformers' own forwards, attention implementation and masks), and
+   patched (hf_memo's training path in its mode: mini-sequence MLP and loss, per-sample attention, recomputation,
+   the memo executor).
+2. Compared: every decoder layer's output (relative to the change the layer makes to its input), the loss, and one
+   vector-Jacobian product: the gradient of the loss plus a random projection of the output of the first layer of
+   each kind, with respect to the embeddings' output and the trainable parameters of those layers, the final norm
+   and the head. A lost causal or learned mask is an ``O(1)`` difference; chunking re-associates sums and differs
+   by rounding (:data:`TOLERANCE` per compute dtype).
+3. A difference beyond rounding, or an error only the patched run raises, first drops hf_memo's per-sample
+   attention (the layers attend with transformers' masks, as under eager attention) and checks again; what still
+   differs refuses the model, naming its class, the layer and the difference.
+
+The probe is a few dozen tokens: its cost is two forward and backward passes of that many tokens. It runs outside
+compiled graphs, not on fake tensors (the estimator's profiles), not under sequence parallelism (whose shards
+the probe's rows do not fill), and not at all with ``MemoConfig(self_check=False)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from transformers import PreTrainedModel
+
+from hf_memo.patches.probe_mode import probing
+from hf_memo.patches.sample_attention import attends_per_sample, uninstall_sample_attention
+from hf_memo.patches.structure import Structure
+
+logger = logging.getLogger(__name__)
+
+PROBE_ROWS = 2
+PROBE_TOKENS = 32
+# What a relative difference may be in each compute dtype and still be rounding: chunked sums, per-sample kernels
+# and fp32 softmax or norms inside fp64 models differ from the unpatched model by 1e-7 to 1e-6 in fp64.
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
+_TINY = 1e-30
+
+
+class SelfCheckError(ValueError):
+    """The patched model does not compute what the unpatched model computes (see the module docstring)."""
+
+
+@dataclass
+class _Run:
+    """One pass of the probe: the loss, every decoder layer's ``(input, output)`` ``(b, P, H)`` and the gradients
+    of the checked tensors (``None`` where one gets none)."""
+
+    loss: torch.Tensor
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    gradients: dict[str, torch.Tensor | None]
+
+
+@dataclass
+class _Difference:
+    where: str
+    value: float
+
+
+@dataclass
+class SelfCheck:
+    """The self-check of one patched model (see the module docstring).
+
+    Attributes:
+        mode: the ``MemoConfig.recompute`` checked (for messages).
+        structure: the model's :class:`~hf_memo.patches.structure.Structure`.
+        record: the patch record, suspended for the unpatched pass.
+        pending: no training step has passed the check yet.
+        report: what the passed check measured (worst relative differences, seconds), for logs and tests.
+    """
+
+    mode: str
+    structure: Structure
+    record: Any
+    pending: bool = True
+    report: dict[str, Any] = field(default_factory=dict)
+    _running: bool = False
+
+    def due(self, model: PreTrainedModel, sample: torch.Tensor | None) -> bool:
+        """Whether this training forward (its input ids or embeddings ``sample``) must run the check first."""
+        if not self.pending or self._running or sample is None:
+            return False
+        return not (is_fake(sample) or torch.compiler.is_compiling())
+
+    @torch.compiler.disable
+    def run(self, model: PreTrainedModel, arguments: dict[str, Any], extra: dict[str, Any], labels: Any) -> None:
+        """Check ``model`` on the batch of this training forward (its bound named ``arguments``, its ``**kwargs``
+        ``extra`` and ``labels`` ``(B, S)`` or ``None``); on success the check is not run again.
+
+        Raises:
+            SelfCheckError: the patched model differs from the unpatched one beyond rounding.
+        """
+        inputs = probe_inputs(arguments, extra, labels)
+        if inputs is None:
+            logger.debug("hf_memo's self-check waits for a batch with real tokens in its first positions")
+            return
+        self._running = True
+        start = time.perf_counter()
+        try:
+            self._check(model, inputs)
+        finally:
+            self._running = False
+        self.pending = False
+        self.report["seconds"] = time.perf_counter() - start
+        logger.info("hf_memo's self-check passed for %s: %s", type(model).__name__, self.report)
+
+    def _check(self, model: PreTrainedModel, inputs: dict[str, Any]) -> None:
+        layers = self.structure.layers
+        probed = first_of_each_kind(model, layers)
+        targets = _targets(model, self.structure, probed)
+        generator = torch.Generator().manual_seed(0)
+        cotangents: dict[int, torch.Tensor] = {}
+        try:
+            with self.record.suspended():
+                reference = _run(model, inputs, layers, probed, targets, cotangents, generator)
+        except Exception as error:  # the unpatched model itself fails on the probe's rows: nothing to compare with
+            logger.warning("hf_memo's self-check skipped: the unpatched model fails on the probe (%r)", error)
+            return
+        if not torch.isfinite(reference.loss).all():
+            logger.warning("hf_memo's self-check skipped: the unpatched model's loss on the probe is not finite")
+            return
+        tolerance = _tolerance(model)
+        failure = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
+        if failure is not None and attends_per_sample(model):
+            uninstall_sample_attention(model, self.record)
+            retried = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
+            if retried is None:
+                logger.info(
+                    "hf_memo attends with transformers' masks in %s: its per-sample attention differed (%s)",
+                    type(model).__name__,
+                    failure,
+                )
+                self.report["per_sample_attention"] = False
+                return
+            failure = retried
+        if failure is not None:
+            raise self._refusal(model, failure, tolerance)
+
+    def _patched_difference(
+        self,
+        model: PreTrainedModel,
+        inputs: dict[str, Any],
+        layers: list[nn.Module],
+        probed: list[int],
+        targets: list[torch.Tensor],
+        cotangents: dict[int, torch.Tensor],
+        reference: _Run,
+        tolerance: float,
+    ) -> _Difference | BaseException | None:
+        """The first difference beyond ``tolerance`` of the patched run from ``reference``, the error the patched run
+        raised, or ``None``."""
+        try:
+            patched = _run(model, inputs, layers, probed, targets, cotangents, None)
+        except SelfCheckError:
+            raise
+        except Exception as error:
+            return error
+        differences = _differences(reference, patched, layers)
+        self.report["worst"] = max((d.value for d in differences), default=0.0)
+        return next((d for d in differences if not d.value <= tolerance), None)
+
+    def _refusal(self, model: PreTrainedModel, failure: _Difference | BaseException, tolerance: float) -> Exception:
+        name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
+        if isinstance(failure, ValueError) and str(failure).startswith("hf_memo"):
+            return failure
+        if isinstance(failure, BaseException):
+            error = SelfCheckError(
+                f"hf_memo cannot train {name} with recompute={self.mode!r}: the patched training step fails where the "
+                f"unpatched one runs ({type(failure).__name__}: {failure})"
+            )
+            error.__cause__ = failure
+            return error
+        return SelfCheckError(
+            f"hf_memo cannot train {name} exactly with recompute={self.mode!r}: its self-check on the first training "
+            f"step finds {failure.where} differing from the unpatched model by {failure.value:.3g} (relative; "
+            f"rounding in this dtype stays below {tolerance:g}). Train it unpatched (hf_memo.revert), or set "
+            "MemoConfig(self_check=False) to train it as patched anyway"
+        )
+
+
+def probe_inputs(arguments: dict[str, Any], extra: dict[str, Any], labels: Any) -> dict[str, Any] | None:
+    """The causal LM's keyword arguments for the probe: the first ``PROBE_TOKENS`` positions of up to ``PROBE_ROWS``
+    rows of the step's batch (each ``(B, S, ...)`` tensor cut alike, ``(k, B, S)`` positions too), labels made
+    from the input ids where the step has none, no ``num_items_in_batch`` (the probe's loss is a mean), no cache.
+    ``None`` when no row has a real token (``attention_mask`` 1) in those positions."""
+    sequence = arguments.get("input_ids")
+    if sequence is None:
+        sequence = arguments.get("inputs_embeds")
+    batch, length = sequence.shape[:2]
+    mask = arguments.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        return None
+    tokens = min(length, PROBE_TOKENS)
+    rows = [r for r in range(batch) if mask is None or bool(mask[r, :tokens].any())][:PROBE_ROWS]
+    if not rows:
+        return None
+    index = torch.tensor(rows, device=sequence.device)
+
+    def cut(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (batch, length):
+            return value.index_select(0, index.to(value.device))[:, :tokens]
+        if value.dim() >= 3 and tuple(value.shape[1:3]) == (batch, length):
+            return value.index_select(1, index.to(value.device))[:, :, :tokens]
+        if tuple(value.shape) == (length,):
+            return value[:tokens]
+        return value
+
+    inputs = {name: cut(value) for name, value in {**arguments, **extra}.items() if name != "num_items_in_batch"}
+    if labels is None and inputs.get("input_ids") is not None:
+        labels = inputs["input_ids"].clone()
+        if inputs.get("attention_mask") is not None:
+            labels[inputs["attention_mask"] == 0] = -100
+        inputs["labels"] = labels
+    elif labels is not None:
+        inputs["labels"] = cut(labels)
+    for name in ("past_key_values", "cache"):
+        inputs.pop(name, None)
+    inputs.update(use_cache=False, return_dict=True, logits_to_keep=0)
+    return inputs
+
+
+def first_of_each_kind(model: PreTrainedModel, layers: list[nn.Module]) -> list[int]:
+    """The index of the first decoder layer of each kind: the same module classes under the same names, and the
+    same entry of the config's ``layer_types`` (sliding or full attention, ...)."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    seen: dict[tuple, int] = {}
+    for index, layer in enumerate(layers):
+        tree = tuple((name, type(module).__qualname__) for name, module in layer.named_modules())
+        kind = (tree, types[index] if index < len(types) else None)
+        seen.setdefault(kind, index)
+    return sorted(seen.values())
+
+
+def _targets(model: PreTrainedModel, structure: Structure, probed: list[int]) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the trainable parameters the vector-Jacobian product is taken for: those of the first
+    layer of each kind, the final norm and the head."""
+    modules = [(f"decoder layer {i} ({type(structure.layers[i]).__name__})", structure.layers[i]) for i in probed]
+    modules.append(("the final norm", model.get_submodule(structure.final_norm)))
+    modules.append(("the LM head", model.get_output_embeddings()))
+    seen: set[int] = set()
+    targets = []
+    for owner, module in modules:
+        for name, parameter in module.named_parameters():
+            if parameter.requires_grad and id(parameter) not in seen:
+                seen.add(id(parameter))
+                targets.append((f"{owner}: {name}", parameter))
+    return targets
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    while isinstance(value, (tuple, list)):
+        value = value[0]
+    return value
+
+
+def _run(
+    model: PreTrainedModel,
+    inputs: dict[str, Any],
+    layers: list[nn.Module],
+    probed: list[int],
+    targets: list[tuple[str, nn.Parameter]],
+    cotangents: dict[int, torch.Tensor],
+    generator: torch.Generator | None,
+) -> _Run:
+    """One pass of the model over the probe's ``inputs`` in eval mode, its loss plus each probed layer's output
+    projected on a random ``cotangents`` entry (drawn from ``generator`` when missing) differentiated."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    leaf: list[torch.Tensor] = []
+
+    def embedded(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        leaf.append(out.detach().requires_grad_())
+        return leaf[-1]
+
+    def recorder(index: int) -> Callable:
+        def record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            captured[index] = (args[0] if args else kwargs["hidden_states"], _first_tensor(out))
+
+        return record
+
+    inputs = dict(inputs)
+    real = _real_tokens(inputs)
+    if inputs.get("inputs_embeds") is not None:
+        inputs["inputs_embeds"] = inputs["inputs_embeds"].detach().requires_grad_()
+        leaf.append(inputs["inputs_embeds"])
+        handles = []
+    else:
+        handles = [model.get_input_embeddings().register_forward_hook(embedded)]
+    handles += [layer.register_forward_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        with probing(model), torch.enable_grad():
+            output = model(**inputs)
+            loss = output["loss"] if isinstance(output, dict) else output[0]
+            total = loss.float()
+            for index in probed:
+                out = captured[index][1]
+                if index not in cotangents:
+                    cotangents[index] = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+                cotangent = cotangents[index].to(out.device, out.dtype)
+                if real is not None:  # padding's hidden states are not the model's output: hf_memo may zero them
+                    cotangent = cotangent * real.reshape(*real.shape, *[1] * (out.dim() - 2)).to(out)
+                total = total + (cotangent * out).float().sum() / math.sqrt(out.numel())
+            named = [("the embeddings' output", t) for t in leaf[:1]] + [(n, p) for n, p in targets]
+            gradients = torch.autograd.grad(total, [t for _, t in named], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers_seen = {i: _real_rows(x.detach(), y.detach(), real) for i, (x, y) in captured.items()}
+    grads = {name: None if g is None else g.detach() for (name, _), g in zip(named, gradients)}
+    return _Run(loss.detach().float(), layers_seen, grads)
+
+
+def _real_tokens(inputs: dict[str, Any]) -> torch.Tensor | None:
+    """``(b, P)`` bool: the probe's real tokens (``attention_mask`` 1), or ``None`` where every token is real."""
+    mask = inputs.get("attention_mask")
+    return None if mask is None or bool(mask.all()) else mask != 0
+
+
+def _real_rows(x: torch.Tensor, y: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input and output ``(b, P, H)`` at the real tokens only ``(n, H)``: padding's hidden states are
+    no output of the model (hf_memo's per-sample attention gives padding queries no attention)."""
+    if real is None or tuple(y.shape[:2]) != tuple(real.shape):
+        return x, y
+    keep = real.to(y.device)
+    return (x[keep] if x.shape == y.shape else x), y[keep]
+
+
+def _relative(got: torch.Tensor | None, expected: torch.Tensor | None, scale: torch.Tensor | None = None) -> float:
+    """``max |got - expected| / max |scale|`` (``scale`` defaults to ``expected``) over the entries where
+    ``expected`` is finite; infinite where only one of them is ``None`` or ``got`` is not finite there."""
+    if got is None or expected is None:
+        return 0.0 if got is None and expected is None else math.inf
+    if got.shape != expected.shape:
+        return math.inf
+    finite = torch.isfinite(expected)
+    difference = torch.where(finite, (got.double() - expected.double()).abs(), torch.zeros((), dtype=torch.float64))
+    if not torch.isfinite(difference).all():
+        return math.inf
+    base = (expected if scale is None else scale).double()
+    base = torch.where(torch.isfinite(base), base.abs(), torch.zeros((), dtype=torch.float64))
+    return float(difference.max() / base.max().clamp_min(_TINY)) if difference.numel() else 0.0
+
+
+def _differences(reference: _Run, patched: _Run, layers: list[nn.Module]) -> list[_Difference]:
+    """Every compared quantity's relative difference, in the order a cause shows first: layer outputs bottom up,
+    the loss, then the gradients."""
+    differences = []
+    for index, layer in enumerate(layers):
+        name = f"decoder layer {index} ({type(layer).__name__})'s output"
+        if index not in reference.layers or index not in patched.layers:
+            if (index in reference.layers) != (index in patched.layers):
+                differences.append(_Difference(name + " (run in one model only)", math.inf))
+            continue
+        x, expected = reference.layers[index]
+        got = patched.layers[index][1]
+        differences.append(
+            _Difference(name, _relative(got, expected, expected - x if x.shape == expected.shape else None))
+        )
+    differences.append(_Difference("the loss", _relative(patched.loss, reference.loss)))
+    for key in [*reference.gradients, *(k for k in patched.gradients if k not in reference.gradients)]:
+        got, expected = patched.gradients.get(key), reference.gradients.get(key)
+        name = f"the gradient of {key}"
+        if (got is None) != (expected is None):
+            differences.append(_Difference(name + " (one model gives it none)", math.inf))
+        elif got is not None:
+            differences.append(_Difference(name, _relative(got, expected)))
+    return differences
+
+
+def _tolerance(model: PreTrainedModel) -> float:
+    """The rounding allowed for the dtype ``model`` computes in: autocast's where it is on, else its parameters'."""
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype = parameter.dtype if parameter is not None else torch.float32
+    device = parameter.device.type if parameter is not None else "cpu"
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    return TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
