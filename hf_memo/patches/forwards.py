@@ -27,6 +27,7 @@ from hf_memo.parallel.fsdp import check_parameters_whole
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
+from hf_memo.patches.backbone import backbone_of
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.inplace_probe import writes_into_kept_outputs
 from hf_memo.patches.layer_split import GenericSplit, LayerArguments, eval_mode, find_anatomy, outputs_not_recorded
@@ -57,26 +58,55 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of ``module`` that currently require a gradient.
 
     Raises:
-        ValueError: ``module`` has no parameters at all: a wrapper flattened them away (see
+        ValueError: ``module`` has no parameters but tensors in their place: a wrapper flattened them away (see
             :mod:`hf_memo.parallel.fsdp`), so hf_memo's autograd functions could not return their gradients.
     """
     params = list(module.parameters())
-    if not params:
+    if not params and _holds_plain_tensors(module):  # a norm without weights (OLMo's) has none by design
         check_parameters_whole(module, f"no parameters in {type(module).__name__} during a training forward")
     return [p for p in params if p.requires_grad]
 
 
-def mlp_forward(config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor) -> Any:
+def _holds_plain_tensors(module: nn.Module) -> bool:
+    """Whether a module of ``module``'s tree holds a tensor attribute that is neither parameter nor buffer: the view
+    FSDP1 leaves where it took a parameter away into its flat parameter."""
+    return any(isinstance(value, torch.Tensor) for m in module.modules() for value in vars(m).values())
+
+
+def mlp_forward(
+    config: MemoConfig, width: int, module: nn.Module, inner: Callable, x: torch.Tensor, *others: Any, **named: Any
+) -> Any:
     """MLP (dense or mixture of experts) over ``x`` ``(B, S, H)`` in mini-sequences; ``width`` is the MLP's
     intermediate size ``I``. Returns what the MLP returns (``(B, S, H)``; gpt-oss: with its ``(B * S, k)`` router
     scores). The router logits of a mixture-of-experts block reach transformers' output recording as one
-    ``(B * S, E)`` tensor per router, with gradient (:class:`~hf_memo.patches.router_logits.RouterLogitsTap`)."""
+    ``(B * S, E)`` tensor per router, with gradient (:class:`~hf_memo.patches.router_logits.RouterLogitsTap`).
+
+    An MLP called with more per-token tensors (Bloom's and MPT's residual, ``(B, S, H')``) gets their rows with
+    each chunk: they travel as extra columns of the chunked input, so their gradients are the unchunked ones. An MLP
+    called with anything else runs whole."""
+    if named or not all(_per_token(other, x) for other in others):
+        return inner(x, *others, **named)
     tokens = x.numel() // x.shape[-1]
     chunks = resolve_chunks(
         config.mlp_chunks, tokens, width, x.shape[-1], config.min_chunk_tokens, config.max_chunk_elements
     )
-    tap = RouterLogitsTap(inner)
-    return tap.recorded(minseq_mlp(tap, x, trainable_params(module), chunks))
+    tap = RouterLogitsTap(inner if not others else _columns_split(inner, [x.shape[-1], *(o.shape[-1] for o in others)]))
+    joined = torch.cat([x, *others], -1) if others else x
+    return tap.recorded(minseq_mlp(tap, joined, trainable_params(module), chunks))
+
+
+def _per_token(value: Any, x: torch.Tensor) -> bool:
+    """Whether ``value`` is a tensor with one row per token of ``x`` ``(B, S, H)``, in ``x``'s dtype."""
+    return isinstance(value, torch.Tensor) and value.shape[:-1] == x.shape[:-1] and value.dtype == x.dtype
+
+
+def _columns_split(inner: Callable, widths: list[int]) -> Callable:
+    """``inner(*columns)`` of a ``(..., sum(widths))`` input cut into its columns of ``widths``."""
+
+    def call(joined: torch.Tensor) -> Any:
+        return inner(*joined.split(widths, -1))
+
+    return call
 
 
 class FinalNormDeferral:
@@ -160,13 +190,14 @@ def causal_lm_forward(
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
         return_dict = model.config.return_dict
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = backbone_of(model)
     deferral.active = True  # the norm runs per chunk in the loss: only its input is kept for backward
+    structure.described = LAYOUT_KEYWORD in arguments
     try:
         with masks_see_packing(model.config.model_type, arguments):
             outputs = backbone(**arguments, **extra)
     finally:
-        deferral.active = False
+        deferral.active = structure.described = False
     hidden = outputs.last_hidden_state
     head, norm = model.get_output_embeddings(), model.get_submodule(structure.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
@@ -225,8 +256,13 @@ def backbone_forward(
     if "use_cache" in inspect.signature(inner).parameters:
         arguments["use_cache"] = False
     arguments = describe_training_batch(model, arguments, None, {})
-    with masks_see_packing(model.config.model_type, arguments):
-        return inner(**arguments)
+    structure = self_check.structure
+    structure.described = LAYOUT_KEYWORD in arguments
+    try:
+        with masks_see_packing(model.config.model_type, arguments):
+            return inner(**arguments)
+    finally:
+        structure.described = False
 
 
 def _sequence(arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -296,6 +332,13 @@ def memo_layer_forward(
     if sequence_parallel is None:
         check_memo_not_under_deepspeed_ulysses()
     layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
+    if layout is None and structure.described:
+        raise ValueError(
+            f"hf_memo cannot run model_type {structure.model_type!r} under recompute='memo': "
+            f"{type(structure.backbone).__name__} calls its decoder layers without passing its keyword arguments on, "
+            "so the layers never see the batch's samples (hf_memo's batch description) that the memo executor "
+            "attends by; use recompute='none', 'full' or 'selective'"
+        )
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:
         raise ValueError(

@@ -20,6 +20,8 @@ from torch._subclasses.fake_tensor import is_fake
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from hf_memo.patches.backbone import backbone_of
+
 
 @dataclass(frozen=True)
 class LogitTransform:
@@ -88,7 +90,7 @@ def _probe_logits(model: PreTrainedModel, forward: Callable, hidden: torch.Tenso
     """The logits ``forward`` (the model's own forward) computes from ``hidden`` ``(1, n, H)`` given to it as the
     backbone's output, in eval mode, without gradient; the model's modes are restored."""
     modes = {module: module.training for module in model.modules()}
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = backbone_of(model)
     model.eval()
     try:
         with torch.no_grad(), _backbone_returning(backbone, hidden):

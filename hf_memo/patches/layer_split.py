@@ -47,13 +47,15 @@ _PROBE_ROWS = 4
 class _Captured(Exception):  # noqa: N818 (control flow, not an error)
     """Raised by the capturing interface: the attention call's ``q, k, v`` and keyword arguments."""
 
-    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> None:
+    def __init__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, kwargs: dict) -> None:
         super().__init__("attention call captured")
-        self.qkv, self.kwargs = (query, key, value), kwargs
+        self.qkv, self.mask, self.kwargs = (query, key, value), mask, kwargs
 
 
-def _capture(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs):
-    raise _Captured(query, key, value, kwargs)
+def _capture(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None, **kwargs
+):
+    raise _Captured(query, key, value, attention_mask, kwargs)
 
 
 @functools.cache
@@ -132,8 +134,8 @@ class Anatomy:
 class LayerArguments:
     """The decoder layer's call arguments for split calls: no mask, no cache, positions cut to rows.
 
-    ``position_embeddings`` (``(cos, sin)``, each ``(B, S, d)``) and ``position_ids`` ``(B, S)`` hold one entry per
-    row of the step; everything else is passed as the layer got it.
+    ``position_embeddings`` (``(cos, sin)``, each ``(B, S, d)``, or one complex ``(B, S, d)`` table) and
+    ``position_ids`` ``(B, S)`` hold one entry per row of the step; everything else is passed as the layer got it.
     """
 
     def __init__(self, arguments: dict[str, Any]) -> None:
@@ -151,6 +153,8 @@ class LayerArguments:
         embeddings = out.get("position_embeddings")
         if isinstance(embeddings, tuple):
             out["position_embeddings"] = tuple(t[:, start:stop] for t in embeddings)
+        elif isinstance(embeddings, torch.Tensor):  # one complex table (Llama 4, DeepSeek-V2), (B, S, d)
+            out["position_embeddings"] = embeddings[:, start:stop]
         if isinstance(out.get("position_ids"), torch.Tensor):
             out["position_ids"] = out["position_ids"][..., start:stop]
         return out
@@ -198,7 +202,7 @@ class GenericSplit:
 
     def kept(self) -> list[torch.Tensor]:
         embeddings = self.arguments.arguments.get("position_embeddings")
-        tables = list(embeddings) if isinstance(embeddings, tuple) else []
+        tables = list(embeddings) if isinstance(embeddings, tuple) else [embeddings] if embeddings is not None else []
         return [*self.layer.parameters(), *self.layer.buffers(), *tables]
 
 
@@ -208,6 +212,12 @@ def find_anatomy(
     """The layer's :class:`Anatomy`, from its forward on the first rows of ``x`` ``(B, S, H)``, then the split
     checked against the layer's own forward there (:func:`check_split`)."""
     attn = attention_of(layer)
+    if not any(isinstance(getattr(attn, name, None), nn.Module) for name in _OUTPUT_PROJECTIONS):
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} has no "
+            f"output projection ({' / '.join(_OUTPUT_PROJECTIONS)}) that maps the attention's output rows alone (a "
+            "mixture of attention heads routes them per token); use recompute='none', 'full' or 'selective'"
+        )
     rows = x[:, :_PROBE_ROWS].detach()
     with torch.no_grad(), outputs_not_recorded(), rng_untouched(layer):
         with _implementation(attn, _register_capture()):
@@ -215,6 +225,12 @@ def find_anatomy(
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
                 raise ValueError(f"{type(layer).__name__}'s forward never called its attention")
             except _Captured as captured:
+                if captured.mask is not None:  # the layer got none: it made one itself
+                    raise ValueError(
+                        f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} "
+                        "hands its attention function a mask it builds itself, which hf_memo's attention core does not "
+                        "apply; use recompute='none', 'full' or 'selective'"
+                    ) from None
                 passed = set(arguments.arguments) | _parameters(layer)
                 traits = _traits(captured.kwargs, passed, captured.qkv[0].shape[-1], model_type)
         outputs: dict[int, nn.Module] = {}

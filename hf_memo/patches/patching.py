@@ -11,6 +11,7 @@ from hf_memo.config import MemoConfig
 from hf_memo.parallel.causal_lm import SequenceParallelLM
 from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.zero3 import Zero3Regions, head_forward, zero3_expected
+from hf_memo.patches.backbone import backbone_of
 from hf_memo.patches.forwards import (
     MATMUL_OPS,
     FinalNormDeferral,
@@ -92,7 +93,7 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
             )
         elif config.recompute in ("full", "selective"):
             record.install_forward(layer, partial(checkpointed_layer_forward, config, structure, takeover, index))
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = backbone_of(model)
     deferral = FinalNormDeferral()
     norm, head = model.get_submodule(structure.final_norm), model.get_output_embeddings()
     record.install_forward(norm, partial(final_norm_forward, deferral))

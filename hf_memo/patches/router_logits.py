@@ -21,6 +21,7 @@ the output index and the ``layer_name`` filters are exactly the ones transformer
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -176,7 +177,15 @@ def wants_router_logits(model: PreTrainedModel, requested: bool | None) -> bool:
     """Whether a forward of ``model`` collects router logits and adds the aux loss: ``requested`` (the call's
     ``output_router_logits``) or else the config's, for a model with routers."""
     wanted = requested if requested is not None else getattr(model.config, "output_router_logits", False)
-    return bool(wanted) and bool(router_modules(model))
+    return bool(wanted) and bool(router_modules(model)) and adds_router_aux_loss(model)
+
+
+def adds_router_aux_loss(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s own forward adds a router load-balancing loss: its code calls ``load_balancing_loss_func``
+    (DeepSeek-V2/V3, GLM-4-MoE and others have routers but no such loss, and ignore ``output_router_logits``)."""
+    forward = inspect.unwrap(type(model).forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and _LOSS_FUNC in code.co_names
 
 
 def router_aux_loss(
@@ -192,7 +201,7 @@ def router_aux_loss(
     """
     # the first class up the hierarchy whose module defines it: FSDP2's fully_shard swaps in a subclass of its own
     modules = [sys.modules[cls.__module__] for cls in type(model).__mro__]
-    loss_func = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
+    loss_func = next((getattr(m, _LOSS_FUNC) for m in modules if hasattr(m, _LOSS_FUNC)), None)
     if loss_func is None:
         raise ValueError(
             f"hf_memo cannot add the router aux loss of {type(model).__name__}: no modeling module of its classes "
@@ -205,9 +214,23 @@ def router_aux_loss(
 
 
 def router_aux_loss_coef(model: PreTrainedModel) -> float:
-    """The weight of the router aux loss in ``model``'s loss (``router_aux_loss_coef``)."""
+    """The weight of the router aux loss in ``model``'s loss, under the model's own name for it:
+    ``router_aux_loss_coef`` (JetMoe's config: ``aux_loss_coef``)."""
     coef = getattr(model, "router_aux_loss_coef", None)
-    return coef if coef is not None else model.config.get_text_config().router_aux_loss_coef
+    if coef is not None:
+        return coef
+    text = model.config.get_text_config()
+    coef = _first(text, _COEFFICIENT_NAMES)
+    if coef is None:
+        raise ValueError(
+            f"hf_memo cannot add the router aux loss of {type(model).__name__}: its config has none of "
+            f"{', '.join(_COEFFICIENT_NAMES)}"
+        )
+    return coef
+
+
+_LOSS_FUNC = "load_balancing_loss_func"
+_COEFFICIENT_NAMES = ("router_aux_loss_coef", "aux_loss_coef")
 
 
 def _first(config: Any, names: tuple[str, ...]) -> Any:

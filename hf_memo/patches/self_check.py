@@ -136,6 +136,8 @@ class SelfCheck:
             return
         tolerance = _tolerance(model)
         failure = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
+        if _is_refusal(failure):
+            raise failure
         if failure is not None and attends_per_sample(model):
             uninstall_sample_attention(model, self.record)
             retried = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
@@ -176,7 +178,7 @@ class SelfCheck:
 
     def _refusal(self, model: PreTrainedModel, failure: _Difference | BaseException, tolerance: float) -> Exception:
         name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
-        if isinstance(failure, ValueError) and str(failure).startswith("hf_memo"):
+        if _is_refusal(failure):
             return failure
         if isinstance(failure, BaseException):
             error = SelfCheckError(
@@ -191,6 +193,11 @@ class SelfCheck:
             f"rounding in this dtype stays below {tolerance:g}). Train it unpatched (hf_memo.revert), or set "
             "MemoConfig(self_check=False) to train it as patched anyway"
         )
+
+
+def _is_refusal(failure: Any) -> bool:
+    """Whether ``failure`` is hf_memo's own refusal (a ``ValueError`` naming hf_memo and the cause)."""
+    return isinstance(failure, ValueError) and str(failure).startswith("hf_memo")
 
 
 def probe_inputs(arguments: dict[str, Any], extra: dict[str, Any], labels: Any) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ cannot be patched exactly is refused by :func:`describe` with the model and what
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +18,14 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 
+from hf_memo.patches.backbone import backbone_of
 from hf_memo.patches.head_transform import LogitTransform, confirmed_logit_transform
 
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
 ATTENTION_NAMES = ("self_attn", "attn", "self_attention")
+_ATTENTION_CLASS = re.compile(r"(?<!Cross)Attention$|(?<!Cross)Attention[A-Z0-9]")
+_MLP_CLASS = re.compile(r"MLP|FFN|FeedForward|Moe|MoE|Experts", re.IGNORECASE)
+_NORM_CLASS = re.compile(r"Norm")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_norm")
 # Model types whose attention hf_memo cannot compute exactly, with what blocks them.
 _REFUSED_CONFIG_TRAITS = {
@@ -36,7 +41,7 @@ class Structure:
 
     Attributes:
         model_type: ``config.model_type`` (for messages).
-        backbone: ``getattr(model, model.base_model_prefix)``, the module the causal LM calls with the inputs.
+        backbone: :func:`backbone_of` the model, the module the causal LM calls with the inputs.
         layers: the decoder layers, bottom to top.
         mlps: each layer's MLP (dense or mixture of experts), where the mini-sequence MLP is installed.
         final_norm: the name of the norm after the last layer (the loss runs it per mini-sequence), looked up when
@@ -56,6 +61,7 @@ class Structure:
     mlp_width: int
     anatomies: dict[int, Any] = field(default_factory=dict)  # per layer index, found at its first memo step
     selective_saves: dict[int, frozenset] = field(default_factory=dict)  # per layer index, at its first selective step
+    described: bool = False  # the backbone runs with hf_memo's batch description among its keyword arguments
 
 
 def refuse(model: nn.Module, reason: str) -> ValueError:
@@ -99,23 +105,30 @@ def _layer_list(model: PreTrainedModel) -> tuple[str, nn.Module, nn.ModuleList]:
         prefix = names[id(parent)]
         for child in parent.children():
             is_list = isinstance(child, nn.ModuleList) and len(child) == count > 0
-            if is_list and all(_child(layer, MLP_NAMES) is not None for layer in child):
+            if is_list and all(mlp_of(layer) is not None for layer in child):
                 return prefix, parent, child
     raise refuse(model, f"found no list of {count} decoder layers each with an MLP ({' / '.join(MLP_NAMES)})")
 
 
-def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
-    return next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+def _child(module: nn.Module, names: tuple[str, ...], role: re.Pattern | None = None) -> nn.Module | None:
+    """The child called one of ``names``, else the only child whose class name matches ``role``."""
+    named = next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+    if named is not None or role is None:
+        return named
+    matching = [child for child in module.children() if role.search(type(child).__name__)]
+    return matching[0] if len(matching) == 1 else None
 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
-    """The self-attention module of a decoder layer, or ``None`` (e.g. a linear-attention layer of a hybrid)."""
-    return _child(layer, ATTENTION_NAMES)
+    """The self-attention module of a decoder layer (by its usual names, else the only child whose class is an
+    attention, e.g. GPT-NeoX's ``attention``), or ``None`` (e.g. a linear-attention layer of a hybrid)."""
+    return _child(layer, ATTENTION_NAMES, _ATTENTION_CLASS)
 
 
 def mlp_of(layer: nn.Module) -> nn.Module:
-    """The MLP (dense or mixture of experts) of a decoder layer."""
-    return _child(layer, MLP_NAMES)
+    """The MLP (dense or mixture of experts) of a decoder layer (by its usual names, else the only child whose class
+    is an MLP, feed-forward or mixture of experts, e.g. MPT's and DBRX's ``ffn``)."""
+    return _child(layer, MLP_NAMES, _MLP_CLASS)
 
 
 def _output_class(model: PreTrainedModel) -> type[ModelOutput]:
@@ -154,11 +167,14 @@ def describe(model: PreTrainedModel) -> Structure:
                 "attention, state-space) are not supported",
             )
     norm = next((n for n in FINAL_NORM_NAMES if isinstance(getattr(parent, n, None), nn.Module)), None)
+    if norm is None:  # the only norm beside the layers, whatever its name (GPT-NeoX's final_layer_norm, MPT's norm_f)
+        norms = [n for n, child in parent.named_children() if _NORM_CLASS.search(type(child).__name__)]
+        norm = norms[0] if len(norms) == 1 else None
     if norm is None:
         raise refuse(model, f"found no final norm ({' / '.join(FINAL_NORM_NAMES)}) beside its decoder layers")
     return Structure(
         model_type=config.model_type,
-        backbone=getattr(model, model.base_model_prefix),
+        backbone=backbone_of(model),
         layers=list(layers),
         mlps=[mlp_of(layer) for layer in layers],
         final_norm=f"{prefix}.{norm}" if prefix else norm,
