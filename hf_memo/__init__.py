@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from hf_memo.integrations.estimate import estimate
     from hf_memo.integrations.planning import plan_training_step
     from hf_memo.integrations.trainer import MemoCallback
-    from hf_memo.patches import applied_config, apply, memo_runtime, revert, supported_model_types
+    from hf_memo.patches import applied_config, apply, check, memo_runtime, revert, supported_model_types
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ _PUBLIC = {  # name -> the module it comes from
     "MemoConfig": "hf_memo.config",
     "applied_config": "hf_memo.patches",
     "apply": "hf_memo.patches",
+    "check": "hf_memo.patches",
     "estimate": "hf_memo.integrations.estimate",
     "memo_runtime": "hf_memo.patches",
     "plan_training_step": "hf_memo.integrations.planning",
@@ -41,6 +42,7 @@ __all__ = [
     "MemoConfig",
     "applied_config",
     "apply",
+    "check",
     "estimate",
     "memo_runtime",
     "plan_training_step",

@@ -1,6 +1,6 @@
 """Patching causal LMs: found by structure (:mod:`.structure`), installed per instance or per class."""
 
-from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime, revert
+from hf_memo.patches.apply import applied_config, apply, causal_lm_of, check, memo_runtime, revert
 from hf_memo.patches.classes import (
     apply_hf_memo_to_gpt2,
     apply_hf_memo_to_llama,
@@ -22,6 +22,7 @@ __all__ = [
     "apply_hf_memo_to_qwen2",
     "apply_hf_memo_to_qwen3",
     "causal_lm_of",
+    "check",
     "install_on_class",
     "memo_runtime",
     "revert",

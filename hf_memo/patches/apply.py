@@ -62,6 +62,27 @@ def applied_config(model: nn.Module) -> MemoConfig | None:
     return None if state is None else state.config
 
 
+def check(model: nn.Module, **batch: Any) -> dict[str, Any]:
+    """Run hf_memo's self-check (:mod:`~hf_memo.patches.self_check`) on ``model`` now, on ``batch`` (``input_ids``
+    ``(B, S)``, optional ``attention_mask``, ``position_ids``, ``labels``), without torch.compile around it: the way
+    to check a model that will train compiled, where the check cannot run inside the graph.
+
+    Returns:
+        What the check measured (``worst`` relative difference, ``seconds``).
+
+    Raises:
+        ValueError: ``model`` is not patched, or the patched model differs from the unpatched one (it is refused).
+    """
+    target = causal_lm_of(model)
+    state = patch_state(target)
+    if state is None:
+        raise ValueError("hf_memo.check needs a model patched with hf_memo.apply")
+    labels = batch.pop("labels", None)
+    state.self_check.pending = True
+    state.self_check.run(target, batch, {}, labels)
+    return dict(state.self_check.report)
+
+
 def memo_runtime(model: nn.Module) -> MemoRuntime | None:
     """The memo executor's runtime of a model patched with ``recompute="memo"`` (offload plan, host bytes, ...)."""
     state = patch_state(causal_lm_of(model))

@@ -321,6 +321,23 @@ def memo_layer_forward(
     """
     if not (trains(layer) and torch.is_grad_enabled()):
         return inner(*args, **kwargs)
+    return _memo_layer_step(config, structure, runtime, sequence_parallel, takeover, index, layer, inner, args, kwargs)
+
+
+@torch.compiler.disable  # under torch.compile the executor runs eagerly, between the compiled graphs around it
+def _memo_layer_step(
+    config: MemoConfig,
+    structure: Structure,
+    runtime: MemoRuntime,
+    sequence_parallel: SequenceParallelLM | None,
+    takeover: HFCheckpointingTakeover,
+    index: int,
+    layer: nn.Module,
+    inner: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """A training step of one decoder layer through the memo executor (see :func:`memo_layer_forward`)."""
     arguments = _bound_arguments(inner, args, kwargs)
     custom = takeover.custom_checkpoint(layer)  # transformers' own checkpointing is replaced by the executor's
     if custom is not None:

@@ -90,12 +90,22 @@ class SelfCheck:
     pending: bool = True
     report: dict[str, Any] = field(default_factory=dict)
     _running: bool = False
+    _warned: bool = False
 
     def due(self, model: PreTrainedModel, sample: torch.Tensor | None) -> bool:
         """Whether this training forward (its input ids or embeddings ``sample``) must run the check first."""
-        if not self.pending or self._running or sample is None:
+        if not self.pending or self._running or sample is None or is_fake(sample):
             return False
-        return not (is_fake(sample) or torch.compiler.is_compiling())
+        if torch.compiler.is_compiling():
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "hf_memo's self-check does not run inside a torch.compile graph: run one training step (or "
+                    "hf_memo.check(model, **batch)) without torch.compile first to check %s",
+                    type(model).__name__,
+                )
+            return False
+        return True
 
     @torch.compiler.disable
     def run(self, model: PreTrainedModel, arguments: dict[str, Any], extra: dict[str, Any], labels: Any) -> None:

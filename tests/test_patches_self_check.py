@@ -1,0 +1,182 @@
+"""The self-check (hf_memo/patches/self_check.py): the patched model against the unpatched one at the first step."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+
+import hf_memo
+from hf_memo.patches import self_check
+from hf_memo.patches.patching import patch_state
+from tests.conftest import VOCAB, build_model, make_batch
+
+SEQ = 29
+_SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "pad_token_id": 0}
+_GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
+# Families outside the catalog whose layers take another path than the catalog's: attention that branches on the
+# implementation's name (Falcon), masks built inside the layer (Doge), layers that do not pass keyword arguments on
+# (Falcon, Bloom, MPT), MLPs with a residual argument (Bloom, MPT), parts under other names (GPT-NeoX, MPT),
+# parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4).
+FAMILIES = {
+    "falcon": ("FalconConfig", _SMALL),
+    "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
+    "doge": ("DogeConfig", _GQA),
+    "stablelm": ("StableLmConfig", _GQA),
+    "nemotron": ("NemotronConfig", _GQA),
+    "bloom": ("BloomConfig", {"vocab_size": VOCAB, "hidden_size": 32, "n_layer": 2, "n_head": 4, "pad_token_id": 0}),
+    "mpt": ("MptConfig", {"vocab_size": VOCAB, "d_model": 32, "n_layers": 2, "n_heads": 4, "pad_token_id": 0}),
+    "gpt_neox": ("GPTNeoXConfig", {**_SMALL, "intermediate_size": 48}),
+    "olmo": ("OlmoConfig", _GQA),
+    "jetmoe": ("JetMoeConfig", {**_SMALL, "num_key_value_heads": 2, "kv_channels": 8, "intermediate_size": 48}),
+    "llama4_text": (
+        "Llama4TextConfig",
+        {**_GQA, "intermediate_size_mlp": 48, "head_dim": 8, "num_local_experts": 2, "attention_chunk_size": None},
+    ),
+}
+# recompute="memo" needs what these families do not give: the refusal names the true cause
+MEMO_REFUSALS = {
+    "falcon": "FalconModel calls its decoder layers without passing its keyword arguments on",
+    "falcon-new": "FalconModel calls its decoder layers without passing its keyword arguments on",
+    "bloom": "BloomModel calls its decoder layers without passing its keyword arguments on",
+    "mpt": "MptModel calls its decoder layers without passing its keyword arguments on",
+    "doge": "DogeAttention hands its attention function a mask it builds itself",
+    "jetmoe": "JetMoeAttention has no output projection",
+}
+MODES = ("none", "full", "selective", "memo")
+
+
+def _build(name: str) -> torch.nn.Module:
+    config_class, fields = FAMILIES[name]
+    config = getattr(transformers, config_class)(**fields)
+    for field in config.to_dict():
+        if "dropout" in field or "pdrop" in field:
+            setattr(config, field, 0.0)
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"  # grouped_mm has no fp64 kernel on the CPU
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).double().train()
+
+
+def _batch(padded: bool) -> dict[str, torch.Tensor]:
+    ids, labels = make_batch(2, SEQ)
+    batch = {"input_ids": ids, "labels": labels}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, -7:] = 0
+        labels[mask == 0] = -100
+        batch["attention_mask"] = mask
+    return batch
+
+
+def _options(mode: str) -> dict:
+    extra = {"offload_fraction": 0.5} if mode == "memo" else {}
+    return {"recompute": mode, "mlp_chunks": 3, "lm_head_chunks": 2, **extra}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_trains_exactly_or_is_refused_with_the_cause(name, mode, padded):
+    reference = _build(name)
+    model = hf_memo.apply(copy.deepcopy(reference), **_options(mode))
+    batch = _batch(padded)
+    want = reference(**batch, use_cache=False)
+    want.loss.backward()
+    if mode == "memo" and name in MEMO_REFUSALS:
+        with pytest.raises(ValueError, match=MEMO_REFUSALS[name]):
+            model(**batch)
+        assert all(p.grad is None for p in model.parameters())  # refused before any gradient
+        return
+    out = model(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=0)
+    assert _worst_gradient(model, reference) <= 1e-5  # fp32 inside some of them (routers, norms)
+    assert not patch_state(model).self_check.pending
+
+
+def _worst_gradient(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """The largest gradient difference relative to the largest element of the reference's gradient."""
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), f"{name}: a gradient in only one model"
+        if q.grad is not None:
+            worst = max(worst, float((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)))
+    return worst
+
+
+@pytest.mark.parametrize("name", ["falcon", "doge"])
+def test_without_its_fallback_the_check_refuses_the_families_per_sample_attention_trains_wrong(name, monkeypatch):
+    """hf_memo's per-sample attention loses Falcon's causal mask (Falcon branches on the implementation's name) and
+    Doge's learned mask: with the fallback to transformers' masks switched off, the check refuses them at the first
+    step, naming the model, the layer and the difference, before any gradient exists."""
+    monkeypatch.setattr(self_check, "attends_per_sample", lambda model: False)
+    model = hf_memo.apply(_build(name), recompute="none", mlp_chunks=3, lm_head_chunks=2)
+    model_class = type(model).__name__
+    with pytest.raises(self_check.SelfCheckError, match=f"cannot train {model_class} .*decoder layer 0 .*differing"):
+        model(**_batch(False))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_the_check_falcon_would_train_wrong():
+    """What the check guards against: Falcon with per-sample attention and no check trains with other gradients."""
+    reference = _build("falcon")
+    model = hf_memo.apply(copy.deepcopy(reference), recompute="none", self_check=False)
+    batch = _batch(False)
+    model(**batch).loss.backward()
+    reference(**batch, use_cache=False).loss.backward()
+    assert _worst_gradient(model, reference) > 0.01
+
+
+def test_a_patch_that_changes_an_mlp_is_refused_naming_the_layer(monkeypatch):
+    """A fault injected into the mini-sequence MLP of layer 1 only: the check names layer 1."""
+    model = hf_memo.apply(build_model("llama"), recompute="full", mlp_chunks=3)
+    layer = patch_state(model).structure.layers[1]
+    installed = layer.mlp.forward  # hf_memo's forward: the fault is in the patched model only
+    impl = installed.impl
+    monkeypatch.setattr(installed, "impl", lambda *args: impl(*args) * 1.001)
+    with pytest.raises(self_check.SelfCheckError, match=r"decoder layer 1 \(LlamaDecoderLayer\)'s output .*1e-05"):
+        model(**_batch(False))
+
+
+def test_the_check_runs_once_and_then_steps_run_alone(monkeypatch):
+    calls = []
+    model = hf_memo.apply(build_model("llama"), recompute="memo", offload_fraction=0.5)
+    original = self_check._run
+    monkeypatch.setattr(self_check, "_run", lambda *a: calls.append(1) or original(*a))
+    for _ in range(2):
+        model(**_batch(True)).loss.backward()
+    assert len(calls) == 2  # the unpatched and the patched pass, on the first step only
+    assert patch_state(model).self_check.report["worst"] < 1e-10
+
+
+def test_switched_off_it_never_runs(monkeypatch):
+    monkeypatch.setattr(self_check, "_run", lambda *a: pytest.fail("the check ran"))
+    model = hf_memo.apply(build_model("llama"), self_check=False)
+    model(**_batch(False)).loss.backward()
+
+
+def test_probe_takes_rows_with_real_tokens_and_cuts_every_per_token_input():
+    ids, labels = make_batch(3, 40)
+    mask = torch.ones_like(ids)
+    mask[0, :35] = 0  # left padding past the probe's positions: no real token there
+    positions = torch.arange(40).repeat(3, 1)
+    probe = self_check.probe_inputs({"input_ids": ids, "attention_mask": mask, "position_ids": positions}, {}, labels)
+    tokens = self_check.PROBE_TOKENS
+    assert torch.equal(probe["input_ids"], ids[1:, :tokens]) and torch.equal(probe["labels"], labels[1:, :tokens])
+    assert probe["position_ids"].shape == (2, tokens) and probe["use_cache"] is False
+    only_padding = self_check.probe_inputs({"input_ids": ids[:1], "attention_mask": mask[:1]}, {}, labels[:1])
+    assert only_padding is None
+
+
+def test_check_runs_on_demand_and_reports(caplog):
+    model = hf_memo.apply(build_model("llama"), recompute="selective")
+    with caplog.at_level(logging.INFO, logger="hf_memo.patches.self_check"):
+        report = hf_memo.check(model, **_batch(True))
+    assert report["worst"] < 1e-10 and report["seconds"] > 0
+    assert "self-check passed for LlamaForCausalLM" in caplog.text
+    with pytest.raises(ValueError, match="needs a model patched"):
+        hf_memo.check(build_model("llama"), **_batch(False))
