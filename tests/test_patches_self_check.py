@@ -12,6 +12,7 @@ import transformers
 import hf_memo
 from hf_memo.patches import self_check
 from hf_memo.patches.patching import patch_state
+from hf_memo.patches.sample_attention import attends_per_sample
 from tests.conftest import VOCAB, build_model, make_batch
 
 SEQ = 29
@@ -47,6 +48,12 @@ MEMO_REFUSALS = {
     "jetmoe": "JetMoeAttention has no output projection",
 }
 MODES = ("none", "full", "selective", "memo")
+
+
+@pytest.fixture(autouse=True)
+def nothing_passed_before(monkeypatch):
+    """Every test probes its models itself: no check passed earlier in this process is remembered."""
+    monkeypatch.setattr(self_check, "_PASSED", {})
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -95,7 +102,7 @@ def test_family_trains_exactly_or_is_refused_with_the_cause(name, mode, padded):
     out.loss.backward()
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-6, atol=0)
     assert _worst_gradient(model, reference) <= 1e-5  # fp32 inside some of them (routers, norms)
-    assert not patch_state(model).self_check.pending
+    assert patch_state(model).self_check.checked == {"padded" if padded else "plain"}
 
 
 def _worst_gradient(model: torch.nn.Module, reference: torch.nn.Module) -> float:
@@ -142,15 +149,46 @@ def test_a_patch_that_changes_an_mlp_is_refused_naming_the_layer(monkeypatch):
         model(**_batch(False))
 
 
-def test_the_check_runs_once_and_then_steps_run_alone(monkeypatch):
+def test_the_check_runs_once_per_kind_of_batch_and_once_per_configuration(monkeypatch):
     calls = []
-    model = hf_memo.apply(build_model("llama"), recompute="memo", offload_fraction=0.5)
     original = self_check._run
     monkeypatch.setattr(self_check, "_run", lambda *a: calls.append(1) or original(*a))
-    for _ in range(2):
-        model(**_batch(True)).loss.backward()
-    assert len(calls) == 2  # the unpatched and the patched pass, on the first step only
+    model = hf_memo.apply(build_model("llama"), recompute="memo", offload_fraction=0.5)
+    for padded in (True, True, False):
+        model(**_batch(padded)).loss.backward()
+    assert len(calls) == 4  # the unpatched and the patched pass, on the first padded and the first plain step
     assert patch_state(model).self_check.report["worst"] < 1e-10
+    again = hf_memo.apply(build_model("llama", seed=1), recompute="memo", offload_fraction=0.5)
+    again(**_batch(True)).loss.backward()
+    assert len(calls) == 4 and patch_state(again).self_check.checked == {"padded"}  # remembered: the same code paths
+    other = hf_memo.apply(build_model("llama"), recompute="memo", offload_fraction=0.25)
+    other(**_batch(True)).loss.backward()
+    assert len(calls) == 6
+
+
+def test_a_model_whose_per_sample_attention_was_dropped_drops_it_again_without_a_probe(monkeypatch):
+    first = hf_memo.apply(_build("falcon"), recompute="full")
+    first(**_batch(False)).loss.backward()
+    assert not attends_per_sample(first)
+    monkeypatch.setattr(self_check, "_run", lambda *a: pytest.fail("probed again"))
+    second = hf_memo.apply(_build("falcon"), recompute="full")
+    assert attends_per_sample(second)
+    second(**_batch(False)).loss.backward()
+    assert not attends_per_sample(second)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "kind"),
+    [
+        ({}, "plain"),
+        ({"attention_mask": torch.ones(2, 5)}, "plain"),
+        ({"attention_mask": torch.tensor([[1, 1, 0]])}, "padded"),
+        ({"position_ids": torch.tensor([[0, 1, 2, 3]])}, "plain"),
+        ({"position_ids": torch.tensor([[0, 1, 0, 1]])}, "packed"),
+    ],
+)
+def test_batch_kind(arguments, kind):
+    assert self_check.batch_kind(arguments) == kind
 
 
 def test_switched_off_it_never_runs(monkeypatch):

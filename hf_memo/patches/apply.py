@@ -78,8 +78,7 @@ def check(model: nn.Module, **batch: Any) -> dict[str, Any]:
     if state is None:
         raise ValueError("hf_memo.check needs a model patched with hf_memo.apply")
     labels = batch.pop("labels", None)
-    state.self_check.pending = True
-    state.self_check.run(target, batch, {}, labels)
+    state.self_check.run(target, batch, {}, labels, again=True)
     return dict(state.self_check.report)
 
 

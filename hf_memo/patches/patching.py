@@ -100,7 +100,8 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
     zero3 = Zero3Regions([(layer, [layer]) for layer in layers] + [(head, [head, norm])], head)
     record.install_forward(head, partial(head_forward, zero3.head_region))
     # not under sequence parallelism, whose shards a few probe rows do not fill
-    check = SelfCheck(config.recompute, structure, record, pending=config.self_check and sequence_parallel is None)
+    checked = config.self_check and sequence_parallel is None
+    check = SelfCheck(config.recompute, structure, record, repr(config), checked)
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
         record.install_forward(backbone, partial(backbone_forward, model, zero3, check))
     record.install_forward(

@@ -72,6 +72,13 @@ class _Difference:
     value: float
 
 
+# What passed in this process: (model class, config, modules, trainable parameters, hf_memo's settings, dtype, batch
+# kind) -> whether hf_memo's per-sample attention stayed. The check proves code paths, which weights do not change:
+# a model built again from the same config (a test suite, a hyper-parameter search) is not probed again.
+_PASSED: dict[tuple, bool] = {}
+BATCH_KINDS = ("plain", "padded", "packed")
+
+
 @dataclass
 class SelfCheck:
     """The self-check of one patched model (see the module docstring).
@@ -80,21 +87,28 @@ class SelfCheck:
         mode: the ``MemoConfig.recompute`` checked (for messages).
         structure: the model's :class:`~hf_memo.patches.structure.Structure`.
         record: the patch record, suspended for the unpatched pass.
-        pending: no training step has passed the check yet.
-        report: what the passed check measured (worst relative differences, seconds), for logs and tests.
+        settings: hf_memo's config (``repr``), part of what a passed check is remembered by.
+        enabled: ``MemoConfig.self_check`` (and no sequence parallelism).
+        checked: the kinds of batch (:data:`BATCH_KINDS`) the model passed on; each kind is checked on its first
+            training step, since padding and packing take other paths.
+        report: what the last check measured (worst relative difference, seconds), for logs and tests.
     """
 
     mode: str
     structure: Structure
     record: Any
-    pending: bool = True
+    settings: str
+    enabled: bool = True
+    checked: set[str] = field(default_factory=set)
     report: dict[str, Any] = field(default_factory=dict)
     _running: bool = False
     _warned: bool = False
 
     def due(self, model: PreTrainedModel, sample: torch.Tensor | None) -> bool:
-        """Whether this training forward (its input ids or embeddings ``sample``) must run the check first."""
-        if not self.pending or self._running or sample is None or is_fake(sample):
+        """Whether this training forward (its input ids or embeddings ``sample``) may need the check first."""
+        if not self.enabled or self._running or sample is None or is_fake(sample):
+            return False
+        if len(self.checked) == len(BATCH_KINDS):
             return False
         if torch.compiler.is_compiling():
             if not self._warned:
@@ -108,13 +122,25 @@ class SelfCheck:
         return True
 
     @torch.compiler.disable
-    def run(self, model: PreTrainedModel, arguments: dict[str, Any], extra: dict[str, Any], labels: Any) -> None:
+    def run(
+        self, model: PreTrainedModel, arguments: dict[str, Any], extra: dict[str, Any], labels: Any, again: bool = False
+    ) -> None:
         """Check ``model`` on the batch of this training forward (its bound named ``arguments``, its ``**kwargs``
-        ``extra`` and ``labels`` ``(B, S)`` or ``None``); on success the check is not run again.
+        ``extra`` and ``labels`` ``(B, S)`` or ``None``), unless its kind of batch passed already (``again``: check
+        anyway).
 
         Raises:
             SelfCheckError: the patched model differs from the unpatched one beyond rounding.
         """
+        kind = batch_kind(arguments)
+        if kind in self.checked and not again:
+            return
+        key = self._key(model, kind)
+        if key in _PASSED and not again:
+            if not _PASSED[key] and attends_per_sample(model):
+                uninstall_sample_attention(model, self.record)
+            self.checked.add(kind)
+            return
         inputs = probe_inputs(arguments, extra, labels)
         if inputs is None:
             logger.debug("hf_memo's self-check waits for a batch with real tokens in its first positions")
@@ -125,9 +151,19 @@ class SelfCheck:
             self._check(model, inputs)
         finally:
             self._running = False
-        self.pending = False
+        self.checked.add(kind)
+        _PASSED[key] = attends_per_sample(model)
         self.report["seconds"] = time.perf_counter() - start
-        logger.info("hf_memo's self-check passed for %s: %s", type(model).__name__, self.report)
+        logger.info("hf_memo's self-check passed for %s on a %s batch: %s", type(model).__name__, kind, self.report)
+
+    def _key(self, model: PreTrainedModel, kind: str) -> tuple:
+        """What a passed check is remembered by (see :data:`_PASSED`)."""
+        modules = tuple((name, type(module).__qualname__) for name, module in model.named_modules())
+        trainable = tuple(name for name, p in model.named_parameters() if p.requires_grad)
+        parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+        dtype = None if parameter is None else parameter.dtype
+        config = model.config.to_json_string(use_diff=False)
+        return type(model), config, hash(modules), hash(trainable), self.settings, dtype, _tolerance(model), kind
 
     def _check(self, model: PreTrainedModel, inputs: dict[str, Any]) -> None:
         layers = self.structure.layers
@@ -203,6 +239,19 @@ class SelfCheck:
             f"rounding in this dtype stays below {tolerance:g}). Train it unpatched (hf_memo.revert), or set "
             "MemoConfig(self_check=False) to train it as patched anyway"
         )
+
+
+def batch_kind(arguments: dict[str, Any]) -> str:
+    """``"padded"`` (an ``attention_mask`` with zeros), ``"packed"`` (``position_ids`` that restart or jump inside a
+    row) or ``"plain"``: the kind of batch of a training forward's named ``arguments``."""
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return "padded"
+    positions = arguments.get("position_ids")
+    steps = positions[..., 1:] - positions[..., :-1] if isinstance(positions, torch.Tensor) else None
+    if steps is not None and not bool((steps == 1).all()):
+        return "packed"
+    return "plain"
 
 
 def _is_refusal(failure: Any) -> bool:
