@@ -187,6 +187,7 @@ def test_bad_overrides_raise_value_errors():
     assert hf_memo.applied_config(model) is None
 
 
+@pytest.mark.usefixtures("self_check_off")
 def test_revert_keeps_a_forward_wrapped_after_apply_and_makes_it_plain():
     """As TRL does, a library wraps ``model.forward`` after hf_memo patched it: revert leaves the wrapper in place
     (dropping it would lose that library's behaviour) and the wrapper then reaches the unpatched forward."""

@@ -109,6 +109,7 @@ def test_chunked_mlp_in_evaluation_matches(family):
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.usefixtures("self_check_off")
 def test_hf_checkpointing_still_checkpoints_every_layer(family):
     model = build_model(family)
     _enable_checkpointing(model)

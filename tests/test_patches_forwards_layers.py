@@ -96,6 +96,7 @@ def test_memo_runs_attention_once_per_layer_and_never_in_backward():
     assert runtime.attention_calls - before == 2 * LAYERS
 
 
+@pytest.mark.usefixtures("self_check_off")
 def test_full_recompute_runs_attention_twice_per_layer():
     model = _apply(_build("llama"), "full", None)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -328,6 +329,7 @@ def test_memo_under_the_trainer_matches_plain_training_step_by_step(tmp_path):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.usefixtures("self_check_off")
 def test_memo_bounds_a_chunks_intermediate_over_the_whole_batch(batch, monkeypatch):
     """``max_chunk_elements`` caps a chunk's MLP intermediate ``(B, S / chunks, I)``: the chunk count grows with B."""
     model = _build("llama")

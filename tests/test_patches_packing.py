@@ -283,6 +283,7 @@ def test_memo_sliding_window_is_checked_against_the_longest_sample():
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
+@pytest.mark.usefixtures("self_check_off")
 def test_per_sample_attention_runs_one_kernel_call_per_sample_and_layer_and_builds_no_mask():
     model = _apply(build_model("llama", num_hidden_layers=3), "none", None)
     _, _, ids, packed_labels, positions, _ = packed_row()

@@ -158,7 +158,7 @@ def causal_lm_forward(
     ``sequence_parallel``, the backbone and the loss run on this rank's shard of the
     sequence and the loss is summed over the sequence-parallel group; the other outputs are the shard's.
     """
-    if not model.training:  # evaluation and generate(): no argument binding, so torch.compile traces it whole
+    if not trains(model):  # evaluation and generate(): no argument binding, so torch.compile traces it whole
         return _original_forward(model, sequence_parallel, inner, args, kwargs)
     # on every rank, before the first collective of the model's own (the MLP and layer calls would meet it later)
     check_parameters_whole(model, f"{type(model).__name__}'s parameters flattened at a training forward")

@@ -64,7 +64,7 @@ class HFCheckpointingTakeover:
         ``fn(layer_forward, hidden_states)``, and decides what the layer keeps (under ``recompute="memo"`` the
         layer then runs outside the memo executor, which says so once, as a warning).
         """
-        if not getattr(layer, "gradient_checkpointing", False):
+        if not (getattr(layer, "gradient_checkpointing", False) and layer.training):  # as transformers: training only
             return None
         self.log()
         function = getattr(layer, "_gradient_checkpointing_func", None)

@@ -101,7 +101,7 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
     record.install_forward(head, partial(head_forward, zero3.head_region))
     # not under sequence parallelism, whose shards a few probe rows do not fill
     checked = config.self_check and sequence_parallel is None
-    check = SelfCheck(config.recompute, structure, record, repr(config), checked)
+    check = SelfCheck(config.recompute, structure, record, repr(config), checked, runtime)
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
         record.install_forward(backbone, partial(backbone_forward, model, zero3, check))
     record.install_forward(

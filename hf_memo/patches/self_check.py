@@ -19,13 +19,18 @@ foresee them, so every patched model checks itself, whatever its mode, before an
    attention (the layers attend with transformers' masks, as under eager attention) and checks again; what still
    differs refuses the model, naming its class, the layer and the difference.
 
-The probe is a few dozen tokens: its cost is two forward and backward passes of that many tokens. It runs outside
-compiled graphs, not on fake tensors (the estimator's profiles), not under sequence parallelism (whose shards
-the probe's rows do not fill), and not at all with ``MemoConfig(self_check=False)``.
+The probe is a few dozen tokens: its cost is two forward and backward passes of that many tokens, on the first step
+of each kind of batch (plain, padded, packed), once per configuration in a process. It leaves the random
+generators and the memo executor's first-step findings as it found them. It does not run inside a torch.compile
+graph, on fake tensors (the estimator's profiles), under sequence parallelism (whose shards the probe's rows do
+not fill), on parameters FSDP2 or ZeRO-3 shard (their hooks would meet the probe mid-step), on a padded batch of
+packed samples (where transformers itself attends across the samples), nor with ``MemoConfig(self_check=False)``;
+:func:`hf_memo.check` runs it on demand (e.g. before compiling or sharding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -38,9 +43,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from transformers import PreTrainedModel
 
+from hf_memo.patches.layer_split import rng_untouched
 from hf_memo.patches.probe_mode import probing
 from hf_memo.patches.sample_attention import attends_per_sample, uninstall_sample_attention
 from hf_memo.patches.structure import Structure
+from hf_memo.planner.policy_solver import PolicyDoesNotFit
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,8 @@ class SelfCheck:
         structure: the model's :class:`~hf_memo.patches.structure.Structure`.
         record: the patch record, suspended for the unpatched pass.
         settings: hf_memo's config (``repr``), part of what a passed check is remembered by.
+        runtime: the memo executor's :class:`~hf_memo.runtime.memo.MemoRuntime` (``None`` in the other modes), which
+            the probe must leave as it found it.
         enabled: ``MemoConfig.self_check`` (and no sequence parallelism).
         checked: the kinds of batch (:data:`BATCH_KINDS`) the model passed on; each kind is checked on its first
             training step, since padding and packing take other paths.
@@ -99,25 +108,24 @@ class SelfCheck:
     record: Any
     settings: str
     enabled: bool = True
+    runtime: Any = None
     checked: set[str] = field(default_factory=set)
     report: dict[str, Any] = field(default_factory=dict)
     _running: bool = False
-    _warned: bool = False
 
     def due(self, model: PreTrainedModel, sample: torch.Tensor | None) -> bool:
-        """Whether this training forward (its input ids or embeddings ``sample``) may need the check first."""
-        if not self.enabled or self._running or sample is None or is_fake(sample):
+        """Whether this training forward (its input ids or embeddings ``sample``) may need the check first: not
+        inside a torch.compile graph, where the check cannot run (:func:`hf_memo.check` runs it before compiling)."""
+        if torch.compiler.is_compiling() or not self.enabled or self._running:
             return False
-        if len(self.checked) == len(BATCH_KINDS):
+        if sample is None or is_fake(sample) or len(self.checked) == len(BATCH_KINDS):
             return False
-        if torch.compiler.is_compiling():
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "hf_memo's self-check does not run inside a torch.compile graph: run one training step (or "
-                    "hf_memo.check(model, **batch)) without torch.compile first to check %s",
-                    type(model).__name__,
-                )
+        if _sharded(model):
+            self.enabled = False
+            logger.info(
+                "hf_memo's self-check does not run on a model whose parameters FSDP2 or DeepSpeed ZeRO-3 shard: "
+                "run hf_memo.check(model, **batch) on the model before sharding it (the same code paths)"
+            )
             return False
         return True
 
@@ -135,6 +143,9 @@ class SelfCheck:
         kind = batch_kind(arguments)
         if kind in self.checked and not again:
             return
+        if kind == "padded" and batch_kind({"position_ids": arguments.get("position_ids")}) == "packed":
+            logger.debug("hf_memo's self-check skips padded packed samples: transformers attends across them")
+            return
         key = self._key(model, kind)
         if key in _PASSED and not again:
             if not _PASSED[key] and attends_per_sample(model):
@@ -147,10 +158,15 @@ class SelfCheck:
             return
         self._running = True
         start = time.perf_counter()
+        found = set(self.structure.anatomies)
         try:
-            self._check(model, inputs)
+            runtime = self.runtime.probe() if self.runtime is not None else contextlib.nullcontext()
+            with rng_untouched(model), runtime:  # the step draws the dropout masks it would draw unchecked
+                self._check(model, inputs)
         finally:
             self._running = False
+            for index in set(self.structure.anatomies) - found:  # found in eval mode: without the step's dropout
+                del self.structure.anatomies[index]
         self.checked.add(kind)
         _PASSED[key] = attends_per_sample(model)
         self.report["seconds"] = time.perf_counter() - start
@@ -214,7 +230,7 @@ class SelfCheck:
         raised, or ``None``."""
         try:
             patched = _run(model, inputs, layers, probed, targets, cotangents, None)
-        except SelfCheckError:
+        except (SelfCheckError, PolicyDoesNotFit):  # a memory budget that no policy fits: not a difference
             raise
         except Exception as error:
             return error
@@ -239,6 +255,14 @@ class SelfCheck:
             f"rounding in this dtype stays below {tolerance:g}). Train it unpatched (hf_memo.revert), or set "
             "MemoConfig(self_check=False) to train it as patched anyway"
         )
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (DTensor parameters) or DeepSpeed ZeRO-3 (partitioned parameters) shards ``model``: a probe
+    through the model's own call would meet their hooks mid-step."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def batch_kind(arguments: dict[str, Any]) -> str:
@@ -289,6 +313,8 @@ def probe_inputs(arguments: dict[str, Any], extra: dict[str, Any], labels: Any) 
         return value
 
     inputs = {name: cut(value) for name, value in {**arguments, **extra}.items() if name != "num_items_in_batch"}
+    if inputs.get("attention_mask") is not None and bool(inputs["attention_mask"].all()):
+        del inputs["attention_mask"]  # as hf_memo reads it: a mask of no padding would hide packed samples
     if labels is None and inputs.get("input_ids") is not None:
         labels = inputs["input_ids"].clone()
         if inputs.get("attention_mask") is not None:

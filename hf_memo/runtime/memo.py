@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 
 import psutil
@@ -190,6 +191,7 @@ class MemoRuntime:
         self.host_limit = limit if limit is not None else int(AUTO_HOST_FRACTION * psutil.virtual_memory().available)
         self.attention_calls = 0
         self.plan: MemoryPolicy | None = None
+        self._probing = False
         self._decisions: dict[tuple, OffloadDecision] = {}
         self._fixed: OffloadDecision | None = None
         self._policy: MemoryPolicy | None = None
@@ -240,10 +242,25 @@ class MemoRuntime:
                 predicted,
                 decision.head_offloaded,
             )
-            if self.config.planner != "off":
+            if self.config.planner != "off" and not self._probing:
                 self._plan_memory(x.shape[0], bucket_length(x.shape[1]), decision)
         self.plan = self._decisions[key].policy
         return quantise(self.plan.layers[index].alpha, len(bounds))
+
+    @contextlib.contextmanager
+    def probe(self) -> Iterator[None]:
+        """Steps inside leave no trace: a self-check's probe decides and measures for its own shape, plans no memory,
+        and afterwards the runtime's decisions, policy, plan and attention count are what they were."""
+        state = (dict(self._decisions), set(self._before_optimizer), self.plan, self.memory_plan, self.attention_calls)
+        self._probing = True
+        try:
+            yield
+        finally:
+            self._probing = False
+            decisions, before, self.plan, memory_plan, self.attention_calls = state
+            self._decisions, self._before_optimizer = decisions, before
+            if self.memory_plan is not memory_plan:
+                self.attach_memory_plan(memory_plan)
 
     def offload_for(self, batch_size: int, seq_len: int) -> OffloadDecision | None:
         """The decision made for layer inputs of ``batch_size`` sequences of ``seq_len`` tokens (its length bucket),
