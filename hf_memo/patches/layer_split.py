@@ -233,7 +233,7 @@ def find_anatomy(
                     ) from None
                 passed = set(arguments.arguments) | _parameters(layer)
                 traits = _traits(captured.kwargs, passed, captured.qkv[0].shape[-1], model_type)
-        outputs: dict[int, nn.Module] = {}
+        outputs: dict[int, tuple[nn.Module, Any]] = {}  # by id, each output kept alive so no id is reused
         seen: dict[str, Any] = {}
 
         def attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -244,7 +244,7 @@ def find_anatomy(
             seen["mlp"] = args[0] if args else next(iter(kwargs.values()))
 
         def record_output(module: nn.Module, args: tuple, out: Any) -> None:
-            outputs.setdefault(id(out), module)
+            outputs.setdefault(id(out), (module, out))
 
         handles = [child.register_forward_hook(record_output) for child in layer.children() if child is not attn]
         handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
@@ -258,7 +258,7 @@ def find_anatomy(
     if source is rows:
         anatomy = Anatomy(None, False, traits)
     elif id(source) in outputs:
-        anatomy = Anatomy(outputs[id(source)], seen.get("mlp") is source, traits)
+        anatomy = Anatomy(outputs[id(source)][0], seen.get("mlp") is source, traits)
     else:
         raise ValueError(
             f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} feeds its "
