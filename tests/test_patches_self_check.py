@@ -218,3 +218,15 @@ def test_check_runs_on_demand_and_reports(caplog):
     assert "self-check passed for LlamaForCausalLM" in caplog.text
     with pytest.raises(ValueError, match="needs a model patched"):
         hf_memo.check(build_model("llama"), **_batch(False))
+
+
+def test_an_mlp_that_mixes_the_tokens_of_the_sequence_is_refused_naming_it():
+    """Doge's mixture of experts routes with scores over the whole batch: no mini-sequence of it can be exact, and the
+    check finds that the model is exact with each MLP run whole."""
+    config = transformers.DogeConfig(**_GQA, is_moe=True, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = hf_memo.apply(
+        transformers.AutoModelForCausalLM.from_config(config).double(), recompute="none", mlp_chunks=3
+    )
+    with pytest.raises(self_check.SelfCheckError, match=r"its MLP \(DogeCDMoE\) mixes the tokens of the sequence"):
+        model(**_batch(False))

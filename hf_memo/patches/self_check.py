@@ -34,7 +34,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from transformers import PreTrainedModel
 
+from hf_memo.patches.installed import InstalledForward
 from hf_memo.patches.layer_split import rng_untouched
 from hf_memo.patches.probe_mode import probing
 from hf_memo.patches.sample_attention import attends_per_sample, uninstall_sample_attention
@@ -212,8 +213,19 @@ class SelfCheck:
                 self.report["per_sample_attention"] = False
                 return
             failure = retried
-        if failure is not None:
-            raise self._refusal(model, failure, tolerance)
+        if failure is None:
+            return
+        with _whole_mlps(self.structure) as switched:
+            mixes = switched and not self._patched_difference(
+                model, inputs, layers, probed, targets, cotangents, reference, tolerance
+            )
+        if mixes:  # exact with each MLP over the whole sequence: the MLP is not a per-token function
+            raise SelfCheckError(
+                f"hf_memo cannot train {type(model).__name__} (model_type {model.config.model_type!r}) with "
+                f"recompute={self.mode!r}: its MLP ({type(self.structure.mlps[0]).__name__}) mixes the tokens of the "
+                "sequence (e.g. a router over the whole batch), so hf_memo's mini-sequence MLP cannot be exact"
+            )
+        raise self._refusal(model, failure, tolerance)
 
     def _patched_difference(
         self,
@@ -255,6 +267,23 @@ class SelfCheck:
             f"rounding in this dtype stays below {tolerance:g}). Train it unpatched (hf_memo.revert), or set "
             "MemoConfig(self_check=False) to train it as patched anyway"
         )
+
+
+@contextlib.contextmanager
+def _whole_mlps(structure: Structure) -> Iterator[bool]:
+    """Inside, every MLP hf_memo runs in mini-sequences runs whole (its installed forward switched off); yields
+    whether there was any."""
+    installed = [
+        m.__dict__["forward"] for m in structure.mlps if isinstance(m.__dict__.get("forward"), InstalledForward)
+    ]
+    active = [forward.active for forward in installed]
+    for forward in installed:
+        forward.active = False
+    try:
+        yield bool(installed)
+    finally:
+        for forward, was in zip(installed, active):
+            forward.active = was
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -413,9 +442,12 @@ def _run(
     finally:
         for handle in handles:
             handle.remove()
-    layers_seen = {i: _real_rows(x.detach(), y.detach(), real) for i, (x, y) in captured.items()}
-    grads = {name: None if g is None else g.detach() for (name, _), g in zip(named, gradients)}
-    return _Run(loss.detach().float(), layers_seen, grads)
+    # kept on the host: the device holds no more than one pass's gradients (a layer's and the head's) at a time
+    layers_seen = {
+        i: tuple(t.cpu() for t in _real_rows(x.detach(), y.detach(), real)) for i, (x, y) in captured.items()
+    }
+    grads = {name: None if g is None else g.detach().cpu() for (name, _), g in zip(named, gradients)}
+    return _Run(loss.detach().float().cpu(), layers_seen, grads)
 
 
 def _real_tokens(inputs: dict[str, Any]) -> torch.Tensor | None:
@@ -440,12 +472,13 @@ def _relative(got: torch.Tensor | None, expected: torch.Tensor | None, scale: to
         return 0.0 if got is None and expected is None else math.inf
     if got.shape != expected.shape:
         return math.inf
+    dtype = torch.promote_types(expected.dtype, torch.float32)  # fp64 where the model is, else fp32 (a head's size)
     finite = torch.isfinite(expected)
-    difference = torch.where(finite, (got.double() - expected.double()).abs(), torch.zeros((), dtype=torch.float64))
+    difference = torch.where(finite, (got.to(dtype) - expected.to(dtype)).abs(), torch.zeros((), dtype=dtype))
     if not torch.isfinite(difference).all():
         return math.inf
-    base = (expected if scale is None else scale).double()
-    base = torch.where(torch.isfinite(base), base.abs(), torch.zeros((), dtype=torch.float64))
+    base = (expected if scale is None else scale).to(dtype)
+    base = torch.where(torch.isfinite(base), base.abs(), torch.zeros((), dtype=dtype))
     return float(difference.max() / base.max().clamp_min(_TINY)) if difference.numel() else 0.0
 
 
