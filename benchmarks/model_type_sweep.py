@@ -58,34 +58,12 @@ from transformers.models.auto.modeling_auto import (
 
 import hf_memo
 from hf_memo.config import RECOMPUTE_MODES, MemoConfigWarning
+from hf_memo.patches.registry import TESTED_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).parent / "results" / "2026-11-28-cpu" / "model_type_sweep.json"
 DEFAULT_TYPES = [
-    "cohere",
-    "cohere2",
-    "exaone4",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "glm4",
-    "gpt2",
-    "gpt_oss",
-    "granite",
-    "llama",
-    "ministral",
-    "mistral",
-    "mixtral",
-    "olmo2",
-    "olmo3",
-    "olmoe",
-    "phi3",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "smollm3",
-    "starcoder2",
+    *TESTED_MODEL_TYPES,  # the catalog, then types outside it
     "ernie4_5",
     "ernie4_5_moe",
     "hunyuan_v1_dense",
