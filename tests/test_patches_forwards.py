@@ -8,6 +8,10 @@ import torch
 import hf_memo
 from tests.conftest import assert_same_grads, build_model, make_batch, model_pair
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 
 def _enable_checkpointing(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

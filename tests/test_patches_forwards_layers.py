@@ -12,6 +12,10 @@ import hf_memo
 from hf_memo.patches.patching import patch_state
 from tests.conftest import assert_same_grads, build_model, make_batch
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 LAYERS = 5  # the last two layers stay on the device; three are swapped to the host
 MODES = [
     ("full", None),

@@ -23,6 +23,10 @@ from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from tests.conftest import VOCAB, ShapeRecorder, assert_same_grads, build_model
 from tests.test_patches_forwards_layers import OpCounter
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 MODES = [
     ("none", None),
     ("full", None),

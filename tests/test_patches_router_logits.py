@@ -31,6 +31,10 @@ from tests.model_catalog import build_catalog_model
 from tests.test_minseq_mlp import MOE_MODELS
 from tests.test_runtime_executor import HIDDEN, ToySplit, _params, _reference
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 MODES = {
     "none": {"recompute": "none"},
     "full": {"recompute": "full"},

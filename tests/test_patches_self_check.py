@@ -14,6 +14,7 @@ from hf_memo.patches import self_check
 from hf_memo.patches.patching import patch_state
 from hf_memo.patches.sample_attention import attends_per_sample
 from tests.conftest import VOCAB, build_model, make_batch
+from tests.model_catalog import CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_catalog_model
 
 SEQ = 29
 _SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "pad_token_id": 0}
@@ -230,3 +231,17 @@ def test_an_mlp_that_mixes_the_tokens_of_the_sequence_is_refused_naming_it():
     )
     with pytest.raises(self_check.SelfCheckError, match=r"its MLP \(DogeCDMoE\) mixes the tokens of the sequence"):
         model(**_batch(False))
+
+
+@pytest.mark.parametrize("mode", ["none", "memo"])
+@pytest.mark.parametrize("name", CATALOG_NAMES)
+def test_every_catalog_model_passes_its_own_check(name, mode):
+    """No false refusal over the catalog (windows, soft-capping, sinks, MoE with the router loss, fp32 norms and
+    softmax): the check passes on a padded batch, and its worst difference is rounding."""
+    model = hf_memo.apply(build_catalog_model(name), **_options(mode))
+    ids, labels = make_batch(2, SEQ)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - (WINDOW - 3) :] = 0  # fewer than a window of right padding (see the catalog's fp32 softmax)
+    labels[mask == 0] = -100
+    report = hf_memo.check(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert report["worst"] <= FP32_TOLERANCE

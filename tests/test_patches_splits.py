@@ -17,6 +17,10 @@ from hf_memo.runtime.executor import MemoLayerFunction
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.stash_recording import RecordingSource, attention_output_copies
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 DROPOUT = {"gpt2": {"attn_pdrop": 0.1}, "llama": {"attention_dropout": 0.1}, "qwen3": {"attention_dropout": 0.2}}
 
 

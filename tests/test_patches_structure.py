@@ -31,6 +31,10 @@ from hf_memo.patches.structure import describe
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.model_catalog import CATALOG, CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_catalog_model
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 SEQ = 29
 CHUNKS = 3
 LOSS_RTOL = 1e-6  # the losses are fp32 scalars (see assert_same_outputs)

@@ -103,6 +103,7 @@ def test_the_head_input_is_not_offloaded_for_another_shape_or_without_a_graph():
     assert _pool(runtime).reserved_bytes == 0
 
 
+@pytest.mark.usefixtures("self_check_off")
 def test_a_memo_model_offloads_its_head_input_every_step_and_matches_unpatched(monkeypatch):
     opened = []
     original = MemoRuntime.open_head_stash
