@@ -19,6 +19,10 @@ import hf_memo
 from hf_memo.patches import forwards
 from tests.conftest import assert_same_grads, build_model, make_batch
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 
 def _attention(q, k, v, keep, dropout_p, scale):
     """Causal attention ``(B, h, S, D)`` with the dropout mask ``keep`` ``(B, h, S, S)``."""

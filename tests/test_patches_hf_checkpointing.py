@@ -14,6 +14,10 @@ from hf_memo.patches.apply import memo_runtime
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.test_patches_forwards_layers import LAYERS, OpCounter, _apply, _build, _step
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 
 def _attention_runs(model, ids, labels):
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -50,7 +54,6 @@ def test_recompute_modes_take_layers_over_from_hf_checkpointing(recompute, alpha
     assert_same_grads(model, reference, rtol=1e-8, atol=1e-11)
 
 
-@pytest.mark.usefixtures("self_check_off")
 def test_hf_checkpointing_keeps_checkpointing_under_recompute_none():
     model = hf_memo.apply(_build("llama"), recompute="none")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,7 +78,6 @@ def test_transformers_offloading_checkpoint_function_is_taken_over_too(recompute
 
 
 @pytest.mark.parametrize("recompute,alpha", [("full", None), ("selective", None), ("memo", 0.5)])
-@pytest.mark.usefixtures("self_check_off")
 def test_a_checkpoint_function_of_ones_own_is_called_in_place_of_hf_memos(recompute, alpha):
     model = _build("llama")
     reference = copy.deepcopy(model)

@@ -13,6 +13,10 @@ from hf_memo.runtime.head_offload import head_input_offloaded
 from hf_memo.runtime.memo import MemoRuntime
 from tests.conftest import assert_same_grads, build_model, make_batch
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 SEQ, HIDDEN = 24, 32
 
 
@@ -103,7 +107,6 @@ def test_the_head_input_is_not_offloaded_for_another_shape_or_without_a_graph():
     assert _pool(runtime).reserved_bytes == 0
 
 
-@pytest.mark.usefixtures("self_check_off")
 def test_a_memo_model_offloads_its_head_input_every_step_and_matches_unpatched(monkeypatch):
     opened = []
     original = MemoRuntime.open_head_stash

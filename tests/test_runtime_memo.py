@@ -25,6 +25,10 @@ from hf_memo.runtime.offload import PlainMemory
 from tests.conftest import assert_same_grads, build_model, make_batch
 from tests.test_patches_packing import packed_row, padded_batch
 
+# Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
+# every first step (tests/test_patches_self_check.py checks it over the catalog).
+pytestmark = pytest.mark.usefixtures("self_check_off")
+
 
 def _on_host(policy):
     return sum(layer.on_host for layer in policy.layers)
@@ -100,7 +104,6 @@ MIXED = MemoryPolicy(
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.usefixtures("self_check_off")
 def test_a_mixed_policy_gives_the_unpatched_loss_and_gradients_over_steps_with_accumulation(family):
     model = build_model(family, **({"n_layer": 6} if family == "gpt2" else {"num_hidden_layers": 6}))
     reference = copy.deepcopy(model)
@@ -129,7 +132,6 @@ def test_a_mixed_policy_gives_the_unpatched_loss_and_gradients_over_steps_with_a
 
 
 @pytest.mark.parametrize("keep_attention", [False, True])
-@pytest.mark.usefixtures("self_check_off")
 def test_a_swapped_layer_arrives_in_pieces_no_larger_than_what_the_layer_above_gave_back(monkeypatch, keep_attention):
     """Every layer on the host: each layer's backward gives its keys' gradient sums back chunk by chunk, and the
     layer below fetches as many of its bytes as were given back, never more, in pieces joined when its own backward
@@ -178,7 +180,6 @@ def test_a_swapped_layer_arrives_in_pieces_no_larger_than_what_the_layer_above_g
 
 
 @pytest.mark.parametrize("batch", ["packed", "right-padded", "left-padded"])
-@pytest.mark.usefixtures("self_check_off")
 def test_input_only_layers_recompute_per_sample_attention_exactly(batch):
     """Packed and padded rows attend per sample: an input-only layer recomputes that attention in backward."""
     reference = build_model("llama", num_hidden_layers=3)
@@ -289,7 +290,6 @@ def _sealed_stashes(monkeypatch) -> list:
     return sealed
 
 
-@pytest.mark.usefixtures("self_check_off")
 def test_an_aborted_step_keeps_no_stash_alive_and_the_next_step_is_exact(monkeypatch):
     model = _memo_model()
     reference = copy.deepcopy(model)
@@ -396,7 +396,6 @@ def _tight_memo_model(device_layers_x_only, **config):
     return model, reference, input_bytes
 
 
-@pytest.mark.usefixtures("self_check_off")
 def test_a_tight_device_budget_keeps_inputs_only_and_gives_the_unpatched_gradients(monkeypatch, caplog):
     """Room for four layer inputs: two device layers and the two copy buffers, so every layer keeps X only,
     alpha 0, and the four lowest go to the host; the stashes are the bytes the solver counted."""
@@ -521,7 +520,6 @@ def test_gradients_to_come_are_kept_out_of_the_budget_and_the_optimizer_state_is
 
 
 @pytest.mark.filterwarnings("ignore::hf_memo.runtime.arena.ArenaWarning")  # the stand-in plan places nothing
-@pytest.mark.usefixtures("self_check_off")
 def test_steps_of_varying_length_in_one_bucket_decide_plan_and_pin_once(monkeypatch):
     """Dynamic padding: ten steps of lengths 993-1008 (one length bucket) decide the memory policy, plan memory
     and register host buffers on the first step only; a step of another bucket decides and plans again."""

@@ -220,10 +220,12 @@ class SelfCheck:
                 model, inputs, layers, probed, targets, cotangents, reference, tolerance
             )
         if mixes:  # exact with each MLP over the whole sequence: the MLP is not a per-token function
+            found = failure.where if isinstance(failure, _Difference) else f"{type(failure).__name__}: {failure}"
             raise SelfCheckError(
                 f"hf_memo cannot train {type(model).__name__} (model_type {model.config.model_type!r}) with "
-                f"recompute={self.mode!r}: its MLP ({type(self.structure.mlps[0]).__name__}) mixes the tokens of the "
-                "sequence (e.g. a router over the whole batch), so hf_memo's mini-sequence MLP cannot be exact"
+                f"recompute={self.mode!r}: its MLP ({type(self.structure.mlps[0]).__name__}) run in mini-sequences "
+                f"differs from it run whole ({found}): it mixes the tokens of the sequence (e.g. a router over the "
+                "whole batch), which no mini-sequence can reproduce"
             )
         raise self._refusal(model, failure, tolerance)
 
