@@ -26,20 +26,20 @@ def _anatomy(model):
 
 def test_a_pre_norm_layer_feeds_its_attention_from_its_input_norm_alone():
     layer, anatomy = _anatomy(build_model("llama"))
-    assert anatomy.attention_input is layer.input_layernorm and not anatomy.shared_input
+    assert anatomy.attention_input is layer.input_layernorm and anatomy.skip_input and not anatomy.own_tail
     assert anatomy.traits.scale == 8**-0.5 and anatomy.traits.plain
 
 
 def test_a_post_norm_layer_feeds_its_attention_its_input():
     torch.manual_seed(0)
     _, anatomy = _anatomy(Olmo2ForCausalLM(Olmo2Config(**TINY_LAYOUT)).double())
-    assert anatomy.attention_input is None
+    assert anatomy.attention_input is None and not anatomy.skip_input and not anatomy.own_tail
 
 
 def test_a_parallel_layer_shares_its_input_norm_between_attention_and_mlp():
     torch.manual_seed(0)
     layer, anatomy = _anatomy(CohereForCausalLM(CohereConfig(**TINY_LAYOUT)).double())
-    assert anatomy.attention_input is layer.input_layernorm and anatomy.shared_input
+    assert anatomy.attention_input is layer.input_layernorm and not anatomy.skip_input
 
 
 def test_the_split_reproduces_the_layer_on_every_row():
@@ -52,17 +52,25 @@ def test_the_split_reproduces_the_layer_on_every_row():
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
     )
-    got = split.finish(x, out.transpose(1, 2).reshape(2, 9, -1))
+    got = split.finish(x, out.transpose(1, 2).reshape(2, 9, -1), 0)
     want = layer(x, position_embeddings=arguments.arguments["position_embeddings"])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 class _ScaledAttention(modeling_llama.LlamaAttention):
-    """An attention that does more after its output projection than the split knows about."""
+    """An attention that does more after its output projection than project it: its own code finishes it."""
 
     def forward(self, *args, **kwargs):
         out, weights = super().forward(*args, **kwargs)
         return 2 * out, weights
+
+
+class _MixingAttention(modeling_llama.LlamaAttention):
+    """An attention whose output rows mix after the interface: no finish of some rows reproduces it."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return out + out.mean(dim=1, keepdim=True), weights
 
 
 class _AskingAttention(modeling_llama.LlamaAttention):
@@ -75,15 +83,34 @@ class _AskingAttention(modeling_llama.LlamaAttention):
 @pytest.mark.parametrize(
     ("attention", "message"),
     [
-        (_ScaledAttention, "differs from its own forward"),
+        (_MixingAttention, "differs from its own forward"),
         (_AskingAttention, "asks the attention interface for chunk_size"),
     ],
 )
 def test_a_layer_the_split_does_not_reproduce_is_refused(attention, message):
+    with pytest.raises(ValueError, match=message):
+        _anatomy(_with_attention(attention))
+
+
+def _with_attention(attention):
     model = build_model("llama")
     layer = model.model.layers[0]
     replacement = attention(model.config, 0).double()
     replacement.load_state_dict(layer.self_attn.state_dict())
     layer.self_attn = replacement
-    with pytest.raises(ValueError, match=message):
-        _anatomy(model)
+    return model
+
+
+def test_an_attention_that_does_more_than_project_its_output_is_finished_by_its_own_code():
+    layer, inner, arguments, x = _layer_call(_with_attention(_ScaledAttention), rows=9)
+    split = GenericSplit(layer, inner, arguments, find_anatomy(layer, inner, arguments, x, "llama"))
+    assert split.anatomy.own_tail and split.anatomy.skip_input is False
+    q, k, v = split.project(x, 0, 9)
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+    ).transpose(1, 2)
+    o = out.reshape(2, 9, -1)
+    got = torch.cat([split.finish(x[:, :4], o[:, :4], 0), split.finish(x[:, 4:], o[:, 4:], 4)], dim=1)
+    want = layer(x, position_embeddings=arguments.arguments["position_embeddings"])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

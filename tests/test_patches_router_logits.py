@@ -167,7 +167,7 @@ class MoeToySplit(ToySplit):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
         install_output_capuring_hook(self.block.gate, "router_logits", 0)  # transformers' recorder hook
 
-    def finish(self, x, o):
+    def finish(self, x, o, start):
         h = x + o @ self.wo
         return h + self.block(h)
 

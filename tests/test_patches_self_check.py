@@ -22,7 +22,9 @@ _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
 # Families outside the catalog whose layers take another path than the catalog's: attention that branches on the
 # implementation's name (Falcon), masks built inside the layer (Doge), layers that do not pass keyword arguments on
 # (Falcon, Bloom, MPT), MLPs with a residual argument (Bloom, MPT), parts under other names (GPT-NeoX, MPT),
-# parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4).
+# parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4), a norm before
+# the output projection (BitNet), the attention inside a norm-attention-norm block (DBRX), a residual taken after the
+# input norm and a linear-attention layer (MiniMax).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -38,6 +40,32 @@ FAMILIES = {
         "Llama4TextConfig",
         {**_GQA, "intermediate_size_mlp": 48, "head_dim": 8, "num_local_experts": 2, "attention_chunk_size": None},
     ),
+    "bitnet": ("BitNetConfig", _GQA),
+    "dbrx": (
+        "DbrxConfig",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "pad_token_id": 0,
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
+        },
+    ),
+    "minimax": (
+        "MiniMaxConfig",
+        {
+            **_GQA,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "head_dim": 8,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "layer_types": ["full_attention", "linear_attention"],
+            "block_size": 8,
+        },
+    ),
 }
 # recompute="memo" needs what these families do not give: the refusal names the true cause
 MEMO_REFUSALS = {
@@ -46,7 +74,7 @@ MEMO_REFUSALS = {
     "bloom": "BloomModel calls its decoder layers without passing its keyword arguments on",
     "mpt": "MptModel calls its decoder layers without passing its keyword arguments on",
     "doge": "DogeAttention hands its attention function a mask it builds itself",
-    "jetmoe": "JetMoeAttention has no output projection",
+    "minimax": "MiniMaxLightningAttention in MiniMaxDecoderLayer does not call transformers' attention interface",
 }
 MODES = ("none", "full", "selective", "memo")
 
@@ -224,6 +252,18 @@ def test_check_runs_on_demand_and_reports(caplog):
     assert "self-check passed for LlamaForCausalLM" in caplog.text
     with pytest.raises(ValueError, match="needs a model patched"):
         hf_memo.check(build_model("llama"), **_batch(False))
+
+
+def test_a_gradient_that_is_zero_but_for_rounding_is_not_taken_for_a_difference():
+    """A top-1 router whose weight is normalised to one gets a gradient of ~1e-20 (the rounding of terms that
+    cancel): it is measured against the probe's largest gradient, not against itself."""
+    config_class, fields = FAMILIES["dbrx"]
+    config = getattr(transformers, config_class)(**fields)
+    config.ffn_config.moe_num_experts, config.ffn_config.moe_top_k = 2, 1
+    torch.manual_seed(0)
+    model = hf_memo.apply(transformers.AutoModelForCausalLM.from_config(config).double(), recompute="none")
+    report = hf_memo.check(model, **_batch(True))
+    assert report["worst"] < 1e-10
 
 
 def test_an_mlp_that_mixes_the_tokens_of_the_sequence_is_refused_naming_it():

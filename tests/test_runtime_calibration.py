@@ -67,9 +67,9 @@ class _ConstantSaver:
     def project(self, x, start, stop):
         return self.split.project(x, start, stop)
 
-    def finish(self, x, o):
+    def finish(self, x, o, start):
         total = x.sum(dim=1, keepdim=True)
-        return self.split.finish(x, o) + total * total
+        return self.split.finish(x, o, start) + total * total
 
     def kept(self):
         return self.split.kept()
@@ -102,9 +102,9 @@ class _RecordingSplit:
         self.log.append(("project", x.shape[1]))
         return self.split.project(x, start, stop)
 
-    def finish(self, x, o):
+    def finish(self, x, o, start):
         self.log.append(("finish", x.shape[1]))
-        return self.split.finish(x, o)
+        return self.split.finish(x, o, start)
 
     def kept(self):
         return self.split.kept()

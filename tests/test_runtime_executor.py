@@ -40,7 +40,7 @@ class ToySplit:
         pos = self.positions[start:stop, None]
         return q * pos, k * pos, v
 
-    def finish(self, x, o):
+    def finish(self, x, o, start):
         h = x + project_rows(lambda rows: rows @ self.wo, o)
         return h + F.dropout(F.gelu(h @ self.w1), self.dropout, training=True) @ self.w2
 
@@ -69,7 +69,7 @@ def _reference(split, x):
     q, k, v = split.project(x, 0, x.shape[1])
     groups = HEADS // KV_HEADS
     o = F.scaled_dot_product_attention(q, expand_kv(k, groups), expand_kv(v, groups), is_causal=True, scale=split.scale)
-    return split.finish(x, o.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return split.finish(x, o.transpose(1, 2).reshape(*x.shape[:2], -1), 0)
 
 
 def _run(fn, x, params, upstream):
@@ -237,7 +237,7 @@ def _traits_reference(split, x):
     sinks = split.sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sinks], -1).softmax(-1)[..., :-1]
     o = probs @ expand_kv(v, HEADS // KV_HEADS)
-    return split.finish(x, o.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return split.finish(x, o.transpose(1, 2).reshape(*x.shape[:2], -1), 0)
 
 
 @pytest.mark.parametrize("alpha_chunks", [0, 3])

@@ -4,19 +4,23 @@
 module calls transformers' attention interface, and takes ``q (B, h, s, D)``, ``k, v (B, h_kv, s, D)`` and the
 call's keyword arguments from that call (:class:`AttentionTraits`: scale, dropout, sliding window, soft-cap,
 sinks): whatever the layer computes before attention (an input norm or none, q/k norms, partial or no RoPE,
-fused projections) is the model's own code. ``finish(x_rows, o_rows)`` runs the layer's forward again with the
-attention module answering the output projection of ``o_rows`` ``(B, s, h*D)``, so the residual layout (pre-norm,
-sandwich and post-norms, parallel attention and MLP, residual multipliers and dropout) and the MLP (dense or
-mixture of experts) are the model's own code too.
+fused projections) is the model's own code. ``finish(x_rows, o_rows, start)`` runs the layer's forward again on
+those rows with its attention answered by ``o_rows`` ``(B, s, h*D)``, so the residual layout (pre-norm, sandwich and
+post-norms, parallel attention and MLP, residual multipliers and dropout) and the MLP (dense or mixture of experts)
+are the model's own code too. What the attention module does after the interface is either taken to be its output
+projection (then the attention module is not run at all), or, where that is not what it does (a norm before the
+projection, heads mixed per token), its own code runs on ``o_rows`` (its projections before the interface are then
+computed again and discarded).
 
 What the layer feeds its attention is found once per layer (:class:`Anatomy`, at its first memo step): where it is
-a norm that nothing else reads, ``finish`` skips it. The split is then checked against the layer's own forward
-(its eager attention, a causal mask) on the step's first rows; a layer whose split differs is refused.
+a norm, ``finish`` may skip it. The cheapest finish that reproduces the layer's own forward (its eager attention, a
+causal mask) on the step's first rows is kept; a layer no finish reproduces is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -37,6 +41,7 @@ from hf_memo.runtime.batch_layout import LAYOUT_KEYWORD
 from hf_memo.runtime.executor import project_rows
 
 _CAPTURE = "hf_memo_capture"
+_ANSWER = "hf_memo_answer"
 # Keyword arguments an attention module may hand the interface besides the traits and what the layer got.
 _PASSED_THROUGH = {"position_ids", "cache_position", LAYOUT_KEYWORD}
 _TRAIT_ARGUMENTS = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal"}
@@ -62,6 +67,37 @@ def _capture(
 def _register_capture() -> str:
     AttentionInterface.register(_CAPTURE, _capture)
     return _CAPTURE
+
+
+# The attention output the answering interface returns: ``(B, s, h*D)``, or ``None`` for zeros of the call's shape.
+_answer_rows: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("hf_memo_answer", default=None)
+
+
+def _answer(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """An attention interface that answers ``(B, s, h, D_v)`` from :data:`_answer_rows` without computing anything."""
+    rows = _answer_rows.get()
+    if rows is None:
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+    return rows.unflatten(-1, (query.shape[1], -1)), None
+
+
+@functools.cache
+def _register_answer() -> str:
+    AttentionInterface.register(_ANSWER, _answer)
+    return _ANSWER
+
+
+@contextlib.contextmanager
+def _answered(attn: nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
+    """Inside, ``attn``'s attention calls return ``rows`` ``(B, s, h*D)`` (``None``: zeros)."""
+    token = _answer_rows.set(rows)
+    try:
+        with _implementation(attn, _register_answer()):
+            yield
+    finally:
+        _answer_rows.reset(token)
 
 
 @contextlib.contextmanager
@@ -116,18 +152,21 @@ def _traits(kwargs: dict, passed: set[str], head_dim: int, model_type: str) -> A
 
 @dataclass(frozen=True)
 class Anatomy:
-    """How one decoder layer feeds its attention.
+    """How one decoder layer feeds its attention, and the cheapest finish that reproduces it.
 
     Attributes:
         attention_input: the layer's child whose output the attention reads (its input norm), or ``None`` where the
-            attention reads the layer's input itself (post-norm layers).
-        shared_input: that output is read by more than the attention (parallel attention and MLP): ``finish``
-            must compute it too.
+            attention reads the layer's input itself (post-norm layers) or something found only deeper.
+        skip_input: ``finish`` skips that child: nothing else in the layer reads its output (not a parallel MLP,
+            not a residual taken after the norm).
+        own_tail: ``finish`` runs the attention module's own code after the interface, not just its output
+            projection.
         traits: the attention's traits in the mode of the step that found them.
     """
 
     attention_input: nn.Module | None
-    shared_input: bool
+    skip_input: bool
+    own_tail: bool
     traits: AttentionTraits
 
 
@@ -172,7 +211,7 @@ class GenericSplit:
         self.layer, self.inner, self.arguments, self.anatomy = layer, inner, arguments, anatomy
         self.attn = attention_of(layer)
         self.traits = anatomy.traits
-        self.output_projection = next(getattr(self.attn, n) for n in _OUTPUT_PROJECTIONS if hasattr(self.attn, n))
+        self.output_projection = output_projection_of(self.attn)
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with _implementation(self.attn, _register_capture()):
@@ -191,14 +230,20 @@ class GenericSplit:
         p = getattr(self.attn, "residual_dropout", 0.0)
         return nn.functional.dropout(out, p=p, training=self.attn.training) if p else out
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        tail = self._tail(o)
-        skipped = self.anatomy.attention_input if not self.anatomy.shared_input else None
+    def finish(self, x: torch.Tensor, o: torch.Tensor, start: int) -> torch.Tensor:
+        """The layer's output on rows ``[start, start + s)``: ``x (B, s, H)``, their attention output ``o (B, s, h*D)``
+        -> ``(B, s, H)`` (or the layer's tuple)."""
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_instance_attribute(self.attn, "forward", lambda *a, **k: (tail, None)))
-            if skipped is not None:
-                stack.enter_context(_instance_attribute(skipped, "forward", lambda h, *a, **k: h))
-            return self.inner(hidden_states=x, **self.arguments.arguments)
+            if self.anatomy.own_tail:
+                stack.enter_context(_answered(self.attn, o))
+                arguments = self.arguments.rows(start, start + x.shape[1])
+            else:
+                tail = self._tail(o)
+                stack.enter_context(_instance_attribute(self.attn, "forward", lambda *a, **k: (tail, None)))
+                arguments = self.arguments.arguments
+            if self.anatomy.skip_input:
+                stack.enter_context(_instance_attribute(self.anatomy.attention_input, "forward", lambda h, *a, **k: h))
+            return self.inner(hidden_states=x, **arguments)
 
     def kept(self) -> list[torch.Tensor]:
         embeddings = self.arguments.arguments.get("position_embeddings")
@@ -206,24 +251,46 @@ class GenericSplit:
         return [*self.layer.parameters(), *self.layer.buffers(), *tables]
 
 
+def output_projection_of(attn: nn.Module) -> nn.Module | None:
+    """The attention module's output projection by its usual names, or ``None``."""
+    return next((m for n in _OUTPUT_PROJECTIONS if isinstance(m := getattr(attn, n, None), nn.Module)), None)
+
+
+def _candidates(attn: nn.Module, attention_input: nn.Module | None, read_by_mlp: bool) -> list[tuple[bool, bool]]:
+    """The finishes to try, cheapest first: ``(skip_input, own_tail)``."""
+    cheap = [(True, False)] if attention_input is not None and not read_by_mlp else []
+    if output_projection_of(attn) is not None:
+        cheap.append((False, False))
+    else:
+        cheap = []
+    return [*cheap, (False, True)]
+
+
 def find_anatomy(
     layer: nn.Module, inner: Callable, arguments: LayerArguments, x: torch.Tensor, model_type: str
 ) -> Anatomy:
-    """The layer's :class:`Anatomy`, from its forward on the first rows of ``x`` ``(B, S, H)``, then the split
-    checked against the layer's own forward there (:func:`check_split`)."""
+    """The layer's :class:`Anatomy`, from its forward on the first rows of ``x`` ``(B, S, H)``: what it feeds its
+    attention, and the cheapest finish that :func:`check_split` finds equal to the layer's own forward there.
+
+    Raises:
+        ValueError: the attention builds its own mask or asks for what hf_memo does not compute, or no finish
+            reproduces the layer.
+    """
     attn = attention_of(layer)
-    if not any(isinstance(getattr(attn, name, None), nn.Module) for name in _OUTPUT_PROJECTIONS):
-        raise ValueError(
-            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} has no "
-            f"output projection ({' / '.join(_OUTPUT_PROJECTIONS)}) that maps the attention's output rows alone (a "
-            "mixture of attention heads routes them per token); use recompute='none', 'full' or 'selective'"
-        )
+    not_softmax = ValueError(
+        f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} in "
+        f"{type(layer).__name__} does not call transformers' attention interface (a linear-attention or state-space "
+        "mixer), and hf_memo's attention core computes softmax attention only; use recompute='none', 'full' or "
+        "'selective'"
+    )
+    if not hasattr(attn, "config"):  # nothing to dispatch an attention implementation by
+        raise not_softmax
     rows = x[:, :_PROBE_ROWS].detach()
     with torch.no_grad(), outputs_not_recorded(), rng_untouched(layer):
         with _implementation(attn, _register_capture()):
             try:
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
-                raise ValueError(f"{type(layer).__name__}'s forward never called its attention")
+                raise not_softmax
             except _Captured as captured:
                 if captured.mask is not None:  # the layer got none: it made one itself
                     raise ValueError(
@@ -236,9 +303,8 @@ def find_anatomy(
         outputs: dict[int, tuple[nn.Module, Any]] = {}  # by id, each output kept alive so no id is reused
         seen: dict[str, Any] = {}
 
-        def attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        def record_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
             seen["input"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            return torch.zeros_like(seen["input"]), None
 
         def record_mlp_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
             seen["mlp"] = args[0] if args else next(iter(kwargs.values()))
@@ -247,25 +313,27 @@ def find_anatomy(
             outputs.setdefault(id(out), (module, out))
 
         handles = [child.register_forward_hook(record_output) for child in layer.children() if child is not attn]
+        handles.append(attn.register_forward_pre_hook(record_input, with_kwargs=True))
         handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
         try:
-            with _instance_attribute(attn, "forward", attention), eval_mode(layer):
+            with _answered(attn, None), eval_mode(layer):
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
         finally:
             for handle in handles:
                 handle.remove()
     source = seen["input"]
-    if source is rows:
-        anatomy = Anatomy(None, False, traits)
-    elif id(source) in outputs:
-        anatomy = Anatomy(outputs[id(source)][0], seen.get("mlp") is source, traits)
-    else:
-        raise ValueError(
-            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} feeds its "
-            "attention with something other than its input or one of its modules' outputs"
-        )
-    check_split(layer, inner, arguments, rows, anatomy, model_type)
-    return anatomy
+    attention_input = outputs[id(source)][0] if source is not rows and id(source) in outputs else None
+    worst = None
+    for skip_input, own_tail in _candidates(attn, attention_input, seen.get("mlp") is source):
+        anatomy = Anatomy(attention_input, skip_input, own_tail, traits)
+        worst = check_split(layer, inner, arguments, rows, anatomy)
+        if worst <= split_tolerance(rows.dtype):
+            return anatomy
+    raise ValueError(
+        f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its decoder layer "
+        f"{type(layer).__name__}, cut around its attention, differs from its own forward by {worst:.3g} "
+        "(relative): it computes something hf_memo's split does not reproduce"
+    )
 
 
 @contextlib.contextmanager
@@ -320,39 +388,42 @@ def _causal_mask(n: int, window: int | None, like: torch.Tensor) -> torch.Tensor
     return mask[None, None]
 
 
-def check_split(
-    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, anatomy: Anatomy, model_type: str
-) -> None:
-    """The split's ``finish(x, attention(project(x)))`` against the layer's own forward (eager attention, causal
-    mask) on ``rows`` ``(B, n, H)``, in eval mode; skipped on fake tensors (the estimator's profiles).
+def split_tolerance(dtype: torch.dtype) -> float:
+    """How far a split may differ from the layer's own forward, relative to the layer's output: transformers' eager
+    attention takes its softmax in float32 whatever the dtype; a split that is not the layer's computation differs
+    by the size of the layer's terms."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
 
-    Raises:
-        ValueError: they differ beyond the dtype's rounding: the layer computes something the split does not.
-    """
+
+def check_split(
+    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, anatomy: Anatomy
+) -> float:
+    """How far the split's ``finish(x, attention(project(x)))``, in two chunks of rows, is from the layer's own
+    forward (eager attention, causal mask) on ``rows`` ``(B, n, H)``, in eval mode, relative to the output's size
+    (``inf`` where the finish fails); ``0.0`` on fake tensors (the estimator's profiles), which carry no values."""
     if is_fake(rows):
-        return
+        return 0.0
     attn = attention_of(layer)
     n = rows.shape[1]
     with torch.no_grad(), outputs_not_recorded(), eval_mode(layer):
         split = GenericSplit(layer, inner, arguments, replace(anatomy, traits=replace(anatomy.traits, dropout_p=0.0)))
         q, k, v = split.project(rows, 0, n)
-        got = split.finish(rows, _reference_attention(q, k, v, split.traits))
+        o = _reference_attention(q, k, v, split.traits)
+        half = n // 2  # in two chunks of rows, as the executor runs it: a finish that mixes rows differs
+        try:
+            got = [split.finish(rows[:, a:b], o[:, a:b], a) for a, b in ((0, half), (half, n))]
+        except (RuntimeError, TypeError, ValueError):  # a finish that does not fit this layer's code
+            return math.inf
+        got = torch.cat([g[0] if isinstance(g, tuple) else g for g in got], dim=1)
         with _implementation(attn, "eager"):
             expected = inner(
                 hidden_states=rows, attention_mask=_causal_mask(n, split.traits.window, rows), **arguments.rows(0, n)
             )
     expected = expected[0] if isinstance(expected, tuple) else expected
-    # transformers' eager attention takes its softmax in float32 whatever the dtype; a split that is not the
-    # layer's computation differs by the size of the layer's terms
-    tolerance = 1e-4 if rows.dtype in (torch.float32, torch.float64) else 3e-2
+    if got.shape != expected.shape:
+        return math.inf
     scale = expected.float().abs().max().clamp_min(1.0)
-    worst = ((got.float() - expected.float()).abs().max() / scale).item()
-    if not worst <= tolerance:
-        raise ValueError(
-            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': its decoder layer "
-            f"{type(layer).__name__}, cut around its attention, differs from its own forward by {worst:.3g} "
-            "(relative): it computes something hf_memo's split does not reproduce"
-        )
+    return ((got.float() - expected.float()).abs().max() / scale).item()
 
 
 def split_layer(layer: nn.Module, x: torch.Tensor, **arguments: Any) -> GenericSplit:

@@ -40,12 +40,15 @@ TESTED_MODEL_TYPES = (
 _EVERY_MODE = ("none", "full", "selective", "memo")
 _BUT_MEMO = ("none", "full", "selective")
 TESTED_OUTSIDE_CATALOG = {
+    "bitnet": _EVERY_MODE,
     "bloom": _BUT_MEMO,
+    "dbrx": _EVERY_MODE,
     "doge": _BUT_MEMO,
     "falcon": _BUT_MEMO,
     "gpt_neox": _EVERY_MODE,
-    "jetmoe": _BUT_MEMO,
+    "jetmoe": _EVERY_MODE,
     "llama4_text": _EVERY_MODE,
+    "minimax": _BUT_MEMO,
     "mpt": _BUT_MEMO,
     "nemotron": _EVERY_MODE,
     "olmo": _EVERY_MODE,

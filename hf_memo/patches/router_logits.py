@@ -157,11 +157,11 @@ class RouterLogitsSplit:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.split, name)
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def finish(self, x: torch.Tensor, o: torch.Tensor, start: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if not self.keep:
-            return self.split.finish(x, o)
+            return self.split.finish(x, o, start)
         with router_logits_captured() as logits:
-            y = self.split.finish(x, o)
+            y = self.split.finish(x, o, start)
         return (y, *logits) if logits else y
 
     @staticmethod

@@ -248,7 +248,7 @@ class SelfCheck:
             raise
         except Exception as error:
             return error
-        differences = _differences(reference, patched, layers)
+        differences = _differences(reference, patched, layers, tolerance)
         self.report["worst"] = max((d.value for d in differences), default=0.0)
         return next((d for d in differences if not d.value <= tolerance), None)
 
@@ -484,9 +484,11 @@ def _relative(got: torch.Tensor | None, expected: torch.Tensor | None, scale: to
     return float(difference.max() / base.max().clamp_min(_TINY)) if difference.numel() else 0.0
 
 
-def _differences(reference: _Run, patched: _Run, layers: list[nn.Module]) -> list[_Difference]:
+def _differences(reference: _Run, patched: _Run, layers: list[nn.Module], tolerance: float) -> list[_Difference]:
     """Every compared quantity's relative difference, in the order a cause shows first: layer outputs bottom up,
-    the loss, then the gradients."""
+    the loss, then the gradients. A gradient is measured against the larger of its own size and ``tolerance`` times
+    the largest gradient entry of the probe: one that is zero but for rounding (a top-1 router's weights normalised
+    to one) holds only the rounding of the terms that cancel in it."""
     differences = []
     for index, layer in enumerate(layers):
         name = f"decoder layer {index} ({type(layer).__name__})'s output"
@@ -500,14 +502,23 @@ def _differences(reference: _Run, patched: _Run, layers: list[nn.Module]) -> lis
             _Difference(name, _relative(got, expected, expected - x if x.shape == expected.shape else None))
         )
     differences.append(_Difference("the loss", _relative(patched.loss, reference.loss)))
+    largest = max((_finite_max(g) for g in reference.gradients.values() if g is not None), default=0.0)
+    floor = torch.tensor(tolerance * largest, dtype=torch.float64)
     for key in [*reference.gradients, *(k for k in patched.gradients if k not in reference.gradients)]:
         got, expected = patched.gradients.get(key), reference.gradients.get(key)
         name = f"the gradient of {key}"
         if (got is None) != (expected is None):
             differences.append(_Difference(name + " (one model gives it none)", math.inf))
         elif got is not None:
-            differences.append(_Difference(name, _relative(got, expected)))
+            scale = torch.maximum(expected.abs().to(torch.float64).nan_to_num(0.0, 0.0, 0.0).max(), floor)
+            differences.append(_Difference(name, _relative(got, expected, scale)))
     return differences
+
+
+def _finite_max(tensor: torch.Tensor) -> float:
+    """The largest finite ``|entry|`` of ``tensor`` (0 where none is)."""
+    values = tensor.abs().to(torch.float64)
+    return float(torch.where(torch.isfinite(values), values, 0.0).max()) if values.numel() else 0.0
 
 
 def _tolerance(model: PreTrainedModel) -> float:

@@ -121,8 +121,13 @@ def _child(module: nn.Module, names: tuple[str, ...], role: re.Pattern | None = 
 
 def attention_of(layer: nn.Module) -> nn.Module | None:
     """The self-attention module of a decoder layer (by its usual names, else the only child whose class is an
-    attention, e.g. GPT-NeoX's ``attention``), or ``None`` (e.g. a linear-attention layer of a hybrid)."""
-    return _child(layer, ATTENTION_NAMES, _ATTENTION_CLASS)
+    attention, e.g. GPT-NeoX's ``attention``), or ``None`` (e.g. a linear-attention layer of a hybrid). Where that
+    module wraps one attention (DBRX's norm-attention-norm block), the innermost: the module that calls the
+    attention interface."""
+    attention = _child(layer, ATTENTION_NAMES, _ATTENTION_CLASS)
+    while attention is not None and (inner := _child(attention, ATTENTION_NAMES, _ATTENTION_CLASS)) is not None:
+        attention = inner
+    return attention
 
 
 def mlp_of(layer: nn.Module) -> nn.Module:

@@ -172,7 +172,7 @@ def _chunked_forward(
     del out
     y = None
     for start, stop in bounds:
-        y_rows = split.finish(x[:, start:stop], o_rows[:, start:stop])
+        y_rows = split.finish(x[:, start:stop], o_rows[:, start:stop], start)
         if y is None:
             y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
         y[:, start:stop] = y_rows

@@ -5,8 +5,8 @@ One decoder layer is split by its model family into three per-call pieces (a :cl
 * ``project(x_rows, start, stop)``: norm, q/k/v projections and RoPE for rows ``[start, stop)`` of the
   sequence, ``(B, s, H) -> q (B, h, s, D), k, v (B, h_kv, s, D)``;
 * the attention core over the whole sequence (its backward is called directly);
-* ``finish(x_rows, o_rows)``: o_proj, residual, norm, MLP, residual, ``(B, s, H), (B, s, h*D) -> (B, s, H)``
-  (o_proj through :func:`project_rows`).
+* ``finish(x_rows, o_rows, start)``: o_proj, residual, norm, MLP, residual for rows ``[start, start + s)``,
+  ``(B, s, H), (B, s, h*D) -> (B, s, H)`` (o_proj through :func:`project_rows`).
 
 q, k and v are gathered into ``(B, S, h, D)`` memory (passed as ``(B, h, S, D)`` views), so the kernels
 write the attention output in that order too and its rows ``(B, S, h * D)`` are a view of it: the
@@ -70,9 +70,10 @@ class LayerSplit(Protocol):
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """``y_rows (B, s, H)``, or ``(y_rows, *side)``: side outputs with one row per token ``(B * s, ...)``,
-        batch-major (a mixture-of-experts layer's router logits), the same count for every chunk."""
+    def finish(self, x: torch.Tensor, o: torch.Tensor, start: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Rows ``[start, start + s)``: ``y_rows (B, s, H)``, or ``(y_rows, *side)``: side outputs with one row
+        per token ``(B * s, ...)``, batch-major (a mixture-of-experts layer's router logits), the same count for
+        every chunk."""
         ...
 
     def kept(self) -> list[torch.Tensor]:
@@ -329,7 +330,7 @@ class MemoLayerFunction(torch.autograd.Function):
                 with torch.enable_grad(), post_hooks:
                     x_in = _Source.apply(anchor, _rows(x, start, stop))
                     o_in = _Source.apply(anchor, _rows(o_rows, start, stop))
-                    y_rows, side = _finished(split.finish(x_in, o_in))
+                    y_rows, side = _finished(split.finish(x_in, o_in, start))
                     side_edges = [get_gradient_edge(t) if t.requires_grad else None for t in side]
                     ctx.post_graphs.append(
                         (get_gradient_edge(x_in), get_gradient_edge(o_in), get_gradient_edge(y_rows), side_edges)
@@ -338,7 +339,7 @@ class MemoLayerFunction(torch.autograd.Function):
             else:
                 ctx.post_replays.append(ReplayState.capture(x.device))
                 with torch.no_grad():
-                    y_rows, side = _finished(split.finish(_rows(x, start, stop), _rows(o_rows, start, stop)))
+                    y_rows, side = _finished(split.finish(_rows(x, start, stop), _rows(o_rows, start, stop), start))
             if y is None:
                 y = y_rows.new_empty((*x.shape[:2], y_rows.shape[-1]))
                 sides = [t.new_empty((*x.shape[:2], *t.shape[1:])) for t in side]
@@ -414,7 +415,7 @@ def _finish_backward(ctx, chunk: int, x: torch.Tensor, o_rows: torch.Tensor, gra
     x_rows = x.detach().requires_grad_(True)
     o_in = o_rows.detach().requires_grad_(True)
     with torch.enable_grad(), ctx.post_replays[chunk - ctx.alpha_chunks].replay():
-        y_rows, side = _finished(ctx.split.finish(x_rows, o_in))
+        y_rows, side = _finished(ctx.split.finish(x_rows, o_in, start))
     side = [t if t.requires_grad else None for t in side]
     outputs, upstream = _chunk_outputs(y_rows, side, grad_y, grad_sides, x.shape[0], start, stop)
     grads = torch.autograd.grad(outputs, [x_rows, o_in, *wanted_params], upstream, allow_unused=True)
