@@ -2,10 +2,13 @@
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import torch
 
 import hf_memo
 
@@ -66,6 +69,11 @@ def test_wheel_ships_the_sample_license_and_py_typed_and_runs_the_demo_in_a_fres
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python, bin_dir = venv / "bin" / "python", venv / "bin"
+    if sys.prefix != sys.base_prefix:
+        # the suite runs from a virtual environment: --system-site-packages reaches the base Python's packages, not
+        # this environment's, so its site-packages are named to the new one (plain paths: no editable finder)
+        (site_packages,) = (venv / "lib").glob("python*/site-packages")
+        (site_packages / "suite_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     work = tmp_path / "work"
     work.mkdir()
@@ -73,6 +81,8 @@ def test_wheel_ships_the_sample_license_and_py_typed_and_runs_the_demo_in_a_fres
     def run(*command: str) -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=300)
 
+    suite_torch = run(str(python), "-c", "import torch; print(torch.__file__)")
+    assert Path(suite_torch.stdout.strip()) == Path(torch.__file__), suite_torch.stderr[-3000:]
     installed = run(str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel))
     assert installed.returncode == 0, installed.stderr[-3000:]
     where = run(
