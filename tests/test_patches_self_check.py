@@ -293,3 +293,22 @@ def test_every_catalog_model_passes_its_own_check(name, mode):
     labels[mask == 0] = -100
     report = hf_memo.check(model, input_ids=ids, attention_mask=mask, labels=labels)
     assert report["worst"] <= FP32_TOLERANCE
+
+
+def test_an_mlp_that_samples_in_training_is_refused_before_any_gradient():
+    """PhiMoE's router samples its experts in training (several random draws per call): the eval-mode probe cannot
+    see it, mini-sequences would draw in another order, so the check counts the MLP's draws in training mode."""
+    config = transformers.PhimoeConfig(**_GQA, num_local_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = hf_memo.apply(transformers.AutoModelForCausalLM.from_config(config).double().train(), recompute="none")
+    with pytest.raises(self_check.SelfCheckError, match=r"its MLP \(PhimoeSparseMoeBlock\) draws random numbers"):
+        model(**_batch(True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_mlp_with_one_dropout_per_call_trains():
+    """One draw per call (GPT-2's MLP dropout) keeps its order in mini-sequences: not refused."""
+    model = hf_memo.apply(build_model("gpt2", resid_pdrop=0.1).train(), recompute="none", mlp_chunks=3)
+    model(**_batch(True)).loss.backward()
+    assert patch_state(model).self_check.checked == {"padded"}

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedModel
 
 from hf_memo.patches.installed import InstalledForward
@@ -183,6 +184,7 @@ class SelfCheck:
         return type(model), config, hash(modules), hash(trainable), self.settings, dtype, _tolerance(model), kind
 
     def _check(self, model: PreTrainedModel, inputs: dict[str, Any]) -> None:
+        self._check_training_draws(model, inputs["input_ids"].shape[-1] if "input_ids" in inputs else PROBE_TOKENS)
         layers = self.structure.layers
         probed = first_of_each_kind(model, layers)
         targets = _targets(model, self.structure, probed)
@@ -228,6 +230,35 @@ class SelfCheck:
                 "whole batch), which no mini-sequence can reproduce"
             )
         raise self._refusal(model, failure, tolerance)
+
+    def _check_training_draws(self, model: PreTrainedModel, tokens: int) -> None:
+        """Refuse an MLP that draws random numbers more than once per call in training (PhiMoE's sampled routing):
+        the probe runs in eval mode and cannot see them, and mini-sequences would draw them in another order than
+        the whole sequence does (one draw per call, as a dropout, keeps its order)."""
+        hidden = model.config.get_text_config().hidden_size
+        seen: set[type] = set()
+        for mlp in self.structure.mlps:
+            if type(mlp) in seen or not mlp.training:
+                continue
+            seen.add(type(mlp))
+            parameter = next(mlp.parameters(), None)
+            if parameter is None:
+                continue
+            x = torch.randn(1, tokens, hidden, dtype=parameter.dtype, device=parameter.device)
+            draws = _RandomDraws()
+            try:
+                with self.record.suspended(), torch.no_grad(), draws:  # the model's own MLP, not its mini-sequences
+                    mlp(x)
+            except Exception:  # an MLP that takes more than the hidden states (Bloom's residual): nothing to tell
+                continue
+            if len(draws.ops) > 1:
+                raise SelfCheckError(
+                    f"hf_memo cannot train {type(model).__name__} (model_type {model.config.model_type!r}) with "
+                    f"recompute={self.mode!r}: its MLP ({type(mlp).__name__}) draws random numbers {len(draws.ops)} "
+                    f"times per call in training ({', '.join(draws.ops)}: e.g. sampled routing), which mini-sequences "
+                    "would draw in another order than the whole sequence, so its training would differ from the "
+                    "unpatched model's; train it unpatched (hf_memo.revert)"
+                )
 
     def _patched_difference(
         self,
@@ -357,6 +388,19 @@ def probe_inputs(arguments: dict[str, Any], extra: dict[str, Any], labels: Any) 
         inputs.pop(name, None)
     inputs.update(use_cache=False, return_dict=True, logits_to_keep=0)
     return inputs
+
+
+class _RandomDraws(TorchDispatchMode):
+    """Records the seeded random ops (dropout masks, sampling, noise) run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def first_of_each_kind(model: PreTrainedModel, layers: list[nn.Module]) -> list[int]:
