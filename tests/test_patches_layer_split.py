@@ -80,9 +80,17 @@ class _AskingAttention(modeling_llama.LlamaAttention):
         return super().forward(hidden_states, position_embeddings, attention_mask, chunk_size=4, **kwargs)
 
 
+class _ScanningAttention(modeling_llama.LlamaAttention):
+    """An attention that mixes the tokens before projecting them (as a state-space mixer would)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return super().forward(hidden_states.cumsum(dim=1), *args, **kwargs)
+
+
 @pytest.mark.parametrize(
     ("attention", "message"),
     [
+        (_ScanningAttention, "queries, keys and values from more than each token's own row"),
         (_MixingAttention, "differs from its own forward"),
         (_AskingAttention, "asks the attention interface for chunk_size"),
     ],

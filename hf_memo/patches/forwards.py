@@ -363,7 +363,7 @@ def _memo_layer_step(
             "or packed position_ids); it got an attention mask outside such a step (e.g. a 4-D one) or "
             "cross-attention inputs"
         )
-    layer_arguments = LayerArguments(arguments)
+    layer_arguments = LayerArguments(arguments, hidden.shape[1])
     run = partial(takeover.call, layer, inner)  # the layer's own forward, without Hugging Face's checkpointing
     anatomy = structure.anatomies.get(index)
     if anatomy is None:  # the layer's first memo step: how it feeds its attention, and the split checked
@@ -480,7 +480,7 @@ def _selective_saves(layer: nn.Module, run: Callable, hidden: torch.Tensor, argu
     if is_fake(hidden) or torch.compiler.is_compiling():
         return selective_saves(False)
     rows = hidden[:, :4].detach()
-    named = LayerArguments(arguments).rows(0, rows.shape[1])
+    named = LayerArguments(arguments, hidden.shape[1]).rows(0, rows.shape[1])
     with eval_mode(layer), outputs_not_recorded():
         return selective_saves(writes_into_kept_outputs(lambda: run(rows, **named), MATMUL_OPS))
 

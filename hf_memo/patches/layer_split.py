@@ -177,7 +177,8 @@ class LayerArguments:
     ``position_ids`` ``(B, S)`` hold one entry per row of the step; everything else is passed as the layer got it.
     """
 
-    def __init__(self, arguments: dict[str, Any]) -> None:
+    def __init__(self, arguments: dict[str, Any], length: int | None = None) -> None:
+        self.length = length  # the step's positions: other tensors with a row per position ``(B, S, ...)`` are cut too
         self.arguments = {
             k: v for k, v in arguments.items() if k not in ("hidden_states", "attention_mask", LAYOUT_KEYWORD)
         }
@@ -196,6 +197,10 @@ class LayerArguments:
             out["position_embeddings"] = embeddings[:, start:stop]
         if isinstance(out.get("position_ids"), torch.Tensor):
             out["position_ids"] = out["position_ids"][..., start:stop]
+        for name, value in out.items():  # e.g. a hybrid layer's mask for its state-space mixer, (B, S)
+            per_position = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == self.length
+            if per_position and name not in ("position_embeddings", "position_ids"):
+                out[name] = value[:, start:stop]
         return out
 
 
@@ -291,6 +296,13 @@ def find_anatomy(
             try:
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
                 raise not_softmax
+            except (RuntimeError, TypeError, IndexError) as error:
+                raise ValueError(
+                    f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} "
+                    f"fails on the first rows of the sequence alone ({type(error).__name__}: {error}), and memo runs "
+                    "each layer on chunks of rows (a hybrid layer's state-space mixer, or inputs of the whole "
+                    "sequence); use recompute='none', 'full' or 'selective'"
+                ) from error
             except _Captured as captured:
                 if captured.mask is not None:  # the layer got none: it made one itself
                     raise ValueError(
@@ -323,6 +335,13 @@ def find_anatomy(
                 handle.remove()
     source = seen["input"]
     attention_input = outputs[id(source)][0] if source is not rows and id(source) in outputs else None
+    if _projection_mixes_rows(layer, inner, arguments, rows, attn):
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} computes its "
+            "attention's queries, keys and values from more than each token's own row (a state-space or "
+            "convolution mixer before its attention), and memo projects the rows chunk by chunk; use "
+            "recompute='none', 'full' or 'selective'"
+        )
     worst = None
     for skip_input, own_tail in _candidates(attn, attention_input, seen.get("mlp") is source):
         anatomy = Anatomy(attention_input, skip_input, own_tail, traits)
@@ -334,6 +353,38 @@ def find_anatomy(
         f"{type(layer).__name__}, cut around its attention, differs from its own forward by {worst:.3g} "
         "(relative): it computes something hf_memo's split does not reproduce"
     )
+
+
+def _projection_mixes_rows(
+    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, attn: nn.Module
+) -> bool:
+    """Whether the layer's ``q, k, v`` of ``rows`` ``(B, n, H)`` projected in two chunks of rows differ from them
+    projected at once (or cannot be projected so): what the layer runs before its attention mixes tokens."""
+    if is_fake(rows):
+        return False
+    n, half = rows.shape[1], rows.shape[1] // 2
+
+    def project(start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        with _implementation(attn, _register_capture()):
+            try:
+                inner(hidden_states=rows[:, start:stop], **arguments.rows(start, stop))
+            except _Captured as captured:
+                return captured.qkv
+        raise RuntimeError("no attention call")
+
+    with torch.no_grad(), outputs_not_recorded(), eval_mode(layer):
+        try:
+            whole, first, second = project(0, n), project(0, half), project(half, n)
+        except (RuntimeError, TypeError, ValueError):
+            return True
+    for w, a, b in zip(whole, first, second):
+        joined = torch.cat([a, b], dim=2)
+        if joined.shape != w.shape:
+            return True
+        scale = w.float().abs().max().clamp_min(1.0)
+        if not ((joined.float() - w.float()).abs().max() / scale).item() <= split_tolerance(rows.dtype):
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -429,6 +480,6 @@ def check_split(
 def split_layer(layer: nn.Module, x: torch.Tensor, **arguments: Any) -> GenericSplit:
     """The split of an unpatched decoder ``layer`` for a step with input ``x`` ``(B, S, H)`` and the layer's other
     ``arguments`` (e.g. ``position_embeddings``), its anatomy found (and checked) on ``x``."""
-    layer_arguments = LayerArguments(arguments)
+    layer_arguments = LayerArguments(arguments, x.shape[1])
     anatomy = find_anatomy(layer, layer.forward, layer_arguments, x, type(layer).__name__)
     return GenericSplit(layer, layer.forward, layer_arguments, anatomy)
