@@ -263,12 +263,10 @@ def output_projection_of(attn: nn.Module) -> nn.Module | None:
 
 def _candidates(attn: nn.Module, attention_input: nn.Module | None, read_by_mlp: bool) -> list[tuple[bool, bool]]:
     """The finishes to try, cheapest first: ``(skip_input, own_tail)``."""
-    cheap = [(True, False)] if attention_input is not None and not read_by_mlp else []
-    if output_projection_of(attn) is not None:
-        cheap.append((False, False))
-    else:
-        cheap = []
-    return [*cheap, (False, True)]
+    if output_projection_of(attn) is None:
+        return [(False, True)]
+    skipping = [(True, False)] if attention_input is not None and not read_by_mlp else []
+    return [*skipping, (False, False), (False, True)]
 
 
 def find_anatomy(
@@ -335,7 +333,7 @@ def find_anatomy(
                 handle.remove()
     source = seen["input"]
     attention_input = outputs[id(source)][0] if source is not rows and id(source) in outputs else None
-    if _projection_mixes_rows(layer, inner, arguments, rows, attn):
+    if _projection_mixes_rows(GenericSplit(layer, inner, arguments, Anatomy(None, False, False, traits)), rows):
         raise ValueError(
             f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} computes its "
             "attention's queries, keys and values from more than each token's own row (a state-space or "
@@ -355,36 +353,30 @@ def find_anatomy(
     )
 
 
-def _projection_mixes_rows(
-    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, attn: nn.Module
-) -> bool:
+def _projection_mixes_rows(split: GenericSplit, rows: torch.Tensor) -> bool:
     """Whether the layer's ``q, k, v`` of ``rows`` ``(B, n, H)`` projected in two chunks of rows differ from them
     projected at once (or cannot be projected so): what the layer runs before its attention mixes tokens."""
     if is_fake(rows):
         return False
     n, half = rows.shape[1], rows.shape[1] // 2
-
-    def project(start: int, stop: int) -> tuple[torch.Tensor, ...]:
-        with _implementation(attn, _register_capture()):
-            try:
-                inner(hidden_states=rows[:, start:stop], **arguments.rows(start, stop))
-            except _Captured as captured:
-                return captured.qkv
-        raise RuntimeError("no attention call")
-
-    with torch.no_grad(), outputs_not_recorded(), eval_mode(layer):
+    with torch.no_grad(), outputs_not_recorded(), eval_mode(split.layer):
         try:
-            whole, first, second = project(0, n), project(0, half), project(half, n)
+            whole = split.project(rows, 0, n)
+            first, second = split.project(rows[:, :half], 0, half), split.project(rows[:, half:], half, n)
         except (RuntimeError, TypeError, ValueError):
             return True
-    for w, a, b in zip(whole, first, second):
-        joined = torch.cat([a, b], dim=2)
-        if joined.shape != w.shape:
-            return True
-        scale = w.float().abs().max().clamp_min(1.0)
-        if not ((joined.float() - w.float()).abs().max() / scale).item() <= split_tolerance(rows.dtype):
-            return True
-    return False
+    tolerance = split_tolerance(rows.dtype)
+    joined = [torch.cat([a, b], dim=2) for a, b in zip(first, second)]
+    return not all(_relative_difference(got, want) <= tolerance for got, want in zip(joined, whole))
+
+
+def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |got - expected|`` relative to ``expected``'s largest entry (at least 1); ``inf`` where the shapes
+    differ."""
+    if got.shape != expected.shape:
+        return math.inf
+    scale = expected.float().abs().max().clamp_min(1.0)
+    return ((got.float() - expected.float()).abs().max() / scale).item()
 
 
 @contextlib.contextmanager
@@ -471,10 +463,7 @@ def check_split(
                 hidden_states=rows, attention_mask=_causal_mask(n, split.traits.window, rows), **arguments.rows(0, n)
             )
     expected = expected[0] if isinstance(expected, tuple) else expected
-    if got.shape != expected.shape:
-        return math.inf
-    scale = expected.float().abs().max().clamp_min(1.0)
-    return ((got.float() - expected.float()).abs().max() / scale).item()
+    return _relative_difference(got, expected)
 
 
 def split_layer(layer: nn.Module, x: torch.Tensor, **arguments: Any) -> GenericSplit:

@@ -511,8 +511,10 @@ def _real_rows(x: torch.Tensor, y: torch.Tensor, real: torch.Tensor | None) -> t
     return (x[keep] if x.shape == y.shape else x), y[keep]
 
 
-def _relative(got: torch.Tensor | None, expected: torch.Tensor | None, scale: torch.Tensor | None = None) -> float:
-    """``max |got - expected| / max |scale|`` (``scale`` defaults to ``expected``) over the entries where
+def _relative(
+    got: torch.Tensor | None, expected: torch.Tensor | None, scale: torch.Tensor | None = None, floor: float = 0.0
+) -> float:
+    """``max |got - expected| / max(max |scale|, floor)`` (``scale`` defaults to ``expected``) over the entries where
     ``expected`` is finite; infinite where only one of them is ``None`` or ``got`` is not finite there."""
     if got is None or expected is None:
         return 0.0 if got is None and expected is None else math.inf
@@ -523,9 +525,8 @@ def _relative(got: torch.Tensor | None, expected: torch.Tensor | None, scale: to
     difference = torch.where(finite, (got.to(dtype) - expected.to(dtype)).abs(), torch.zeros((), dtype=dtype))
     if not torch.isfinite(difference).all():
         return math.inf
-    base = (expected if scale is None else scale).to(dtype)
-    base = torch.where(torch.isfinite(base), base.abs(), torch.zeros((), dtype=dtype))
-    return float(difference.max() / base.max().clamp_min(_TINY)) if difference.numel() else 0.0
+    base = _finite_max(expected if scale is None else scale)
+    return float(difference.max()) / max(base, floor, _TINY) if difference.numel() else 0.0
 
 
 def _differences(reference: _Run, patched: _Run, layers: list[nn.Module], tolerance: float) -> list[_Difference]:
@@ -547,15 +548,14 @@ def _differences(reference: _Run, patched: _Run, layers: list[nn.Module], tolera
         )
     differences.append(_Difference("the loss", _relative(patched.loss, reference.loss)))
     largest = max((_finite_max(g) for g in reference.gradients.values() if g is not None), default=0.0)
-    floor = torch.tensor(tolerance * largest, dtype=torch.float64)
+    floor = tolerance * largest
     for key in [*reference.gradients, *(k for k in patched.gradients if k not in reference.gradients)]:
         got, expected = patched.gradients.get(key), reference.gradients.get(key)
         name = f"the gradient of {key}"
         if (got is None) != (expected is None):
             differences.append(_Difference(name + " (one model gives it none)", math.inf))
         elif got is not None:
-            scale = torch.maximum(expected.abs().to(torch.float64).nan_to_num(0.0, 0.0, 0.0).max(), floor)
-            differences.append(_Difference(name, _relative(got, expected, scale)))
+            differences.append(_Difference(name, _relative(got, expected, floor=floor)))
     return differences
 
 
