@@ -20,6 +20,7 @@ import torch
 
 import hf_memo
 from hf_memo.patches.apply import causal_lm_of
+from hf_memo.patches.patching import patch_state
 from tests.conftest import build_model, make_batch
 from tests.model_catalog import build_catalog_model
 from tests.multiprocess import run_processes
@@ -185,6 +186,7 @@ def _train(
     counter = GatherCounter(_owners(engine.module)) if count else None
     result: dict = {"losses": [], "aux_losses": [], "grads": [], "calls": [], "released": []}
     result["leaves"] = sum(getattr(m, "_z3_leaf", False) for m in engine.module.modules())
+    state = patch_state(causal_lm_of(engine.module))
     try:
         for step in range(2):
             if counter is not None:
@@ -214,6 +216,7 @@ def _train(
     finally:
         if counter is not None:
             counter.close()
+    result["self_checked"] = None if state is None else set(state.self_check.checked)
     return result
 
 
@@ -253,7 +256,8 @@ def test_every_mode_is_exact_under_zero3_and_gathers_each_layer_once_per_pass(mo
         for name, got in results.items():
             _assert_same(got, reference, f"rank {rank}, {name}")
             assert len(got["released"]) == 8 and all(got["released"]), f"{name}: parameters left gathered"
-            for step, calls in enumerate(got["calls"]):
+            assert got["self_checked"] == {"plain"}, f"{name}: the self-check did not run under ZeRO-3"
+            for step, calls in enumerate(got["calls"][1:], start=1):  # (the first step also runs the self-check)
                 for phase in ("forward", "backward"):
                     for owner in ("layer 0", "layer 1", "lm_head"):
                         n = calls[(owner, phase)] / 2  # two micro-batches per step
@@ -308,6 +312,7 @@ def test_moe_model_with_its_router_aux_loss_is_exact_under_zero3(monkeypatch):
     for rank, results in enumerate(run_processes(_moe_worker, 2)):
         for name, (want, got) in results.items():
             assert want["leaves"] == got["leaves"] == 2  # DeepSpeed's defaults make both MoE blocks leaf modules
+            assert got["self_checked"] == {"plain"}  # its probe ran no leaf reduction of the step's
             assert len(want["aux_losses"]) == 4 and len(set(map(float, want["aux_losses"]))) == 4
             _assert_same(got, want, f"rank {rank}, {name}")
         assert not any("embed" in name for name in results["memo alpha=1, frozen embeddings"][1]["grads"][0])

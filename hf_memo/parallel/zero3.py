@@ -28,8 +28,9 @@ backward of the region's owner, after the owner's parameters have their gradient
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
 
@@ -81,6 +82,19 @@ class Zero3Regions:
         # owner -> the leaf-module gradient reductions it runs: (leaf module, hook key, hook)
         self._adopted: dict[nn.Module, list[tuple[nn.Module, int, Callable]]] = {}
         self._owner_hooks: list[RemovableHandle] = []
+        self._reducing = True
+
+    @contextlib.contextmanager
+    def reductions_paused(self) -> Iterator[None]:
+        """Inside, no leaf reduction runs (hf_memo's self-check: its gradients are no step's): those DeepSpeed hooked
+        are adopted first, and the adopted ones paused."""
+        if is_partitioned(self.head):
+            self.ensure()
+        self._reducing = False
+        try:
+            yield
+        finally:
+            self._reducing = True
 
     @property
     def bound(self) -> bool:
@@ -137,7 +151,7 @@ class Zero3Regions:
     def _mark_input(self, owner: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Before a training call of ``owner``: its hidden states (first argument) through
         :class:`_AfterRegionBackward`, so its backward runs the reductions ``owner`` adopted."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._reducing:
             return None
         run = partial(_run_reductions, self._adopted[owner])
         if args and isinstance(args[0], torch.Tensor):

@@ -112,18 +112,34 @@ def _columns_split(inner: Callable, widths: list[int]) -> Callable:
 class FinalNormDeferral:
     """Whether the backbone's final norm is left to the mini-sequence LM head (during a training loss forward).
 
-    A plain attribute rather than a context variable, so ``torch.compile`` traces the norm (and guards on
-    the flag) with ``fullgraph=True``.
+    Only the norm's call after the backbone's last decoder layer is deferred: a backbone may call the same norm
+    before its layers too (NanoChat normalizes the embeddings with it). Plain attributes rather than context
+    variables, so ``torch.compile`` traces the norm (and guards on the flags) with ``fullgraph=True``.
+
+    Attributes:
+        active: a training loss forward runs the backbone.
+        after_layers: the backbone's last decoder layer ran in this forward.
     """
 
     def __init__(self) -> None:
         self.active = False
+        self.after_layers = False
 
 
 def final_norm_forward(deferral: FinalNormDeferral, norm: nn.Module, inner: Callable, x: torch.Tensor) -> torch.Tensor:
-    """The backbone's final norm over ``x`` ``(B, S, H)``; ``x`` itself while the causal LM's loss applies the norm
-    inside its mini-sequences."""
-    return x if deferral.active else inner(x)
+    """The backbone's final norm over ``x`` ``(B, S, H)``; ``x`` itself after the last decoder layer while the
+    causal LM's loss applies the norm inside its mini-sequences."""
+    return x if deferral.active and deferral.after_layers else inner(x)
+
+
+def last_layer_forward(
+    deferral: FinalNormDeferral, layer: nn.Module, inner: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    """The backbone's last decoder layer, which tells ``deferral`` that the backbone's next call of its final norm
+    is the one the loss takes over."""
+    output = inner(*args, **kwargs)
+    deferral.after_layers = True
+    return output
 
 
 def _keeps_all_logits(logits_to_keep: Any) -> bool:
@@ -191,13 +207,13 @@ def causal_lm_forward(
     if return_dict is None:
         return_dict = model.config.return_dict
     backbone = backbone_of(model)
-    deferral.active = True  # the norm runs per chunk in the loss: only its input is kept for backward
+    deferral.active, deferral.after_layers = True, False  # the norm runs per chunk in the loss: its input is kept
     structure.described = LAYOUT_KEYWORD in arguments
     try:
         with masks_see_packing(model.config.model_type, arguments):
             outputs = backbone(**arguments, **extra)
     finally:
-        deferral.active = structure.described = False
+        deferral.active = deferral.after_layers = structure.described = False
     hidden = outputs.last_hidden_state
     head, norm = model.get_output_embeddings(), model.get_submodule(structure.final_norm)
     vocab_size = model.config.get_text_config().vocab_size

@@ -19,6 +19,7 @@ from hf_memo.patches.forwards import (
     causal_lm_forward,
     checkpointed_layer_forward,
     final_norm_forward,
+    last_layer_forward,
     memo_layer_forward,
     mlp_forward,
     selective_saves,
@@ -97,11 +98,12 @@ def patch_model(model: PreTrainedModel, config: MemoConfig) -> None:
     deferral = FinalNormDeferral()
     norm, head = model.get_submodule(structure.final_norm), model.get_output_embeddings()
     record.install_forward(norm, partial(final_norm_forward, deferral))
+    record.install_forward(layers[-1], partial(last_layer_forward, deferral))
     zero3 = Zero3Regions([(layer, [layer]) for layer in layers] + [(head, [head, norm])], head)
     record.install_forward(head, partial(head_forward, zero3.head_region))
     # not under sequence parallelism, whose shards a few probe rows do not fill
     checked = config.self_check and sequence_parallel is None
-    check = SelfCheck(config.recompute, structure, record, repr(config), checked, runtime)
+    check = SelfCheck(config.recompute, structure, record, repr(config), checked, runtime, zero3)
     if sequence_parallel is None:  # (sequence parallelism shards and describes batches in its own forward)
         record.install_forward(backbone, partial(backbone_forward, model, zero3, check))
     record.install_forward(

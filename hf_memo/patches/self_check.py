@@ -21,11 +21,13 @@ foresee them, so every patched model checks itself, whatever its mode, before an
 
 The probe is a few dozen tokens: its cost is two forward and backward passes of that many tokens, on the first step
 of each kind of batch (plain, padded, packed), once per configuration in a process. It leaves the random
-generators and the memo executor's first-step findings as it found them. It does not run inside a torch.compile
-graph, on fake tensors (the estimator's profiles), under sequence parallelism (whose shards the probe's rows do
-not fill), on parameters FSDP2 or ZeRO-3 shard (their hooks would meet the probe mid-step), on a padded batch of
-packed samples (where transformers itself attends across the samples), nor with ``MemoConfig(self_check=False)``;
-:func:`hf_memo.check` runs it on demand (e.g. before compiling or sharding).
+generators and the memo executor's first-step findings as it found them. On parameters FSDP2 or ZeRO-3 shard it
+runs with the parameters they gather, every rank on its own rows, its decisions agreed over the ranks
+(:mod:`~hf_memo.patches.self_check_sharding`); its gradients never reach ``.grad`` nor the shardings' reductions.
+It does not run inside a torch.compile graph, on fake tensors (the estimator's profiles), under sequence
+parallelism (whose shards the probe's rows do not fill), on a padded batch of packed samples (where transformers
+itself attends across the samples), nor with ``MemoConfig(self_check=False)``; :func:`hf_memo.check` runs it on
+demand (e.g. before compiling).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from hf_memo.patches.installed import InstalledForward
 from hf_memo.patches.layer_split import rng_untouched
 from hf_memo.patches.probe_mode import probing
 from hf_memo.patches.sample_attention import attends_per_sample, uninstall_sample_attention
+from hf_memo.patches.self_check_sharding import all_ranks, any_rank, gather_root, gathered
 from hf_memo.patches.structure import Structure
 from hf_memo.planner.policy_solver import PolicyDoesNotFit
 
@@ -99,6 +102,8 @@ class SelfCheck:
         settings: hf_memo's config (``repr``), part of what a passed check is remembered by.
         runtime: the memo executor's :class:`~hf_memo.runtime.memo.MemoRuntime` (``None`` in the other modes), which
             the probe must leave as it found it.
+        zero3: the model's :class:`~hf_memo.parallel.zero3.Zero3Regions`, whose gradient reductions the probe's
+            backward must not run.
         enabled: ``MemoConfig.self_check`` (and no sequence parallelism).
         checked: the kinds of batch (:data:`BATCH_KINDS`) the model passed on; each kind is checked on its first
             training step, since padding and packing take other paths.
@@ -111,6 +116,7 @@ class SelfCheck:
     settings: str
     enabled: bool = True
     runtime: Any = None
+    zero3: Any = None
     checked: set[str] = field(default_factory=set)
     report: dict[str, Any] = field(default_factory=dict)
     _running: bool = False
@@ -120,16 +126,7 @@ class SelfCheck:
         inside a torch.compile graph, where the check cannot run (:func:`hf_memo.check` runs it before compiling)."""
         if torch.compiler.is_compiling() or not self.enabled or self._running:
             return False
-        if sample is None or is_fake(sample) or len(self.checked) == len(BATCH_KINDS):
-            return False
-        if _sharded(model):
-            self.enabled = False
-            logger.info(
-                "hf_memo's self-check does not run on a model whose parameters FSDP2 or DeepSpeed ZeRO-3 shard: "
-                "run hf_memo.check(model, **batch) on the model before sharding it (the same code paths)"
-            )
-            return False
-        return True
+        return not (sample is None or is_fake(sample) or len(self.checked) == len(BATCH_KINDS))
 
     @torch.compiler.disable
     def run(
@@ -143,30 +140,33 @@ class SelfCheck:
             SelfCheckError: the patched model differs from the unpatched one beyond rounding.
         """
         kind = batch_kind(arguments)
-        if kind in self.checked and not again:
-            return
+        wanted = again or kind not in self.checked
         if kind == "padded" and batch_kind({"position_ids": arguments.get("position_ids")}) == "packed":
             logger.debug("hf_memo's self-check skips padded packed samples: transformers attends across them")
-            return
+            wanted = False
         key = self._key(model, kind)
-        if key in _PASSED and not again:
+        if wanted and key in _PASSED and not again:
             if not _PASSED[key] and attends_per_sample(model):
                 uninstall_sample_attention(model, self.record)
             self.checked.add(kind)
-            return
+            wanted = False
         inputs = probe_inputs(arguments, extra, labels)
-        if inputs is None:
-            logger.debug("hf_memo's self-check waits for a batch with real tokens in its first positions")
+        # sharded, every rank probes (each gather is a collective) once one rank wants to and all ranks can
+        if not any_rank(model, wanted) or not all_ranks(model, inputs is not None):
+            if wanted:
+                logger.debug("hf_memo's self-check waits for a batch with real tokens in its first positions")
             return
         self._running = True
         start = time.perf_counter()
         found = set(self.structure.anatomies)
         try:
             runtime = self.runtime.probe() if self.runtime is not None else contextlib.nullcontext()
-            with rng_untouched(model), runtime:  # the step draws the dropout masks it would draw unchecked
+            reductions = self.zero3.reductions_paused() if self.zero3 is not None else contextlib.nullcontext()
+            with rng_untouched(model), runtime, reductions:  # the step draws the dropout masks it would draw unchecked
                 self._check(model, inputs)
         finally:
             self._running = False
+            gather_root(model)  # for the step's own forward
             for index in set(self.structure.anatomies) - found:  # found in eval mode: without the step's dropout
                 del self.structure.anatomies[index]
         self.checked.add(kind)
@@ -190,14 +190,15 @@ class SelfCheck:
         targets = _targets(model, self.structure, probed)
         generator = torch.Generator().manual_seed(0)
         cotangents: dict[int, torch.Tensor] = {}
+        reference: _Run | None = None
         try:
             with self.record.suspended():
                 reference = _run(model, inputs, layers, probed, targets, cotangents, generator)
         except Exception as error:  # the unpatched model itself fails on the probe's rows: nothing to compare with
             logger.warning("hf_memo's self-check skipped: the unpatched model fails on the probe (%r)", error)
-            return
-        if not torch.isfinite(reference.loss).all():
-            logger.warning("hf_memo's self-check skipped: the unpatched model's loss on the probe is not finite")
+        if any_rank(model, reference is None or not torch.isfinite(reference.loss).all()):
+            if reference is not None:
+                logger.warning("hf_memo's self-check skipped: the unpatched model's loss on the probe is not finite")
             return
         tolerance = _tolerance(model)
         failure = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
@@ -237,18 +238,20 @@ class SelfCheck:
         the whole sequence does (one draw per call, as a dropout, keeps its order)."""
         hidden = model.config.get_text_config().hidden_size
         seen: set[type] = set()
-        for mlp in self.structure.mlps:
+        for layer, mlp in zip(self.structure.layers, self.structure.mlps):
             if type(mlp) in seen or not mlp.training:
                 continue
             seen.add(type(mlp))
             parameter = next(mlp.parameters(), None)
             if parameter is None:
                 continue
-            x = torch.randn(1, tokens, hidden, dtype=parameter.dtype, device=parameter.device)
             draws = _RandomDraws()
             try:
-                with self.record.suspended(), torch.no_grad(), draws:  # the model's own MLP, not its mini-sequences
-                    mlp(x)
+                with gathered(layer, mlp):
+                    local = next(mlp.parameters())
+                    x = torch.randn(1, tokens, hidden, dtype=local.dtype, device=local.device)
+                    with self.record.suspended(), torch.no_grad(), draws:  # the model's own MLP, not mini-sequences
+                        mlp(x)
             except Exception:  # an MLP that takes more than the hidden states (Bloom's residual): nothing to tell
                 continue
             if len(draws.ops) > 1:
@@ -266,7 +269,7 @@ class SelfCheck:
         inputs: dict[str, Any],
         layers: list[nn.Module],
         probed: list[int],
-        targets: list[torch.Tensor],
+        targets: list[_Target],
         cotangents: dict[int, torch.Tensor],
         reference: _Run,
         tolerance: float,
@@ -278,10 +281,14 @@ class SelfCheck:
         except (SelfCheckError, PolicyDoesNotFit):  # a memory budget that no policy fits: not a difference
             raise
         except Exception as error:
-            return error
-        differences = _differences(reference, patched, layers, tolerance)
-        self.report["worst"] = max((d.value for d in differences), default=0.0)
-        return next((d for d in differences if not d.value <= tolerance), None)
+            failure: _Difference | BaseException | None = error
+        else:
+            differences = _differences(reference, patched, layers, tolerance)
+            self.report["worst"] = max((d.value for d in differences), default=0.0)
+            failure = next((d for d in differences if not d.value <= tolerance), None)
+        if any_rank(model, failure is not None) and failure is None:  # every rank takes the same way on
+            failure = _Difference("the probe on another rank (see its error)", math.inf)
+        return failure
 
     def _refusal(self, model: PreTrainedModel, failure: _Difference | BaseException, tolerance: float) -> Exception:
         name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
@@ -317,14 +324,6 @@ def _whole_mlps(structure: Structure) -> Iterator[bool]:
     finally:
         for forward, was in zip(installed, active):
             forward.active = was
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 (DTensor parameters) or DeepSpeed ZeRO-3 (partitioned parameters) shards ``model``: a probe
-    through the model's own call would meet their hooks mid-step."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def batch_kind(arguments: dict[str, Any]) -> str:
@@ -415,9 +414,19 @@ def first_of_each_kind(model: PreTrainedModel, layers: list[nn.Module]) -> list[
     return sorted(seen.values())
 
 
-def _targets(model: PreTrainedModel, structure: Structure, probed: list[int]) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of the trainable parameters the vector-Jacobian product is taken for: those of the first
-    layer of each kind, the final norm and the head."""
+@dataclass(frozen=True)
+class _Target:
+    """A trainable parameter the vector-Jacobian product is taken for: ``owner``'s parameter ``name`` (taken as the
+    owner sees it in its forward: FSDP2 puts its gathered parameters there), ``label`` for messages."""
+
+    label: str
+    owner: nn.Module
+    name: str
+
+
+def _targets(model: PreTrainedModel, structure: Structure, probed: list[int]) -> list[_Target]:
+    """The trainable parameters the vector-Jacobian product is taken for: those of the first layer of each kind, the
+    final norm and the head."""
     modules = [(f"decoder layer {i} ({type(structure.layers[i]).__name__})", structure.layers[i]) for i in probed]
     modules.append(("the final norm", model.get_submodule(structure.final_norm)))
     modules.append(("the LM head", model.get_output_embeddings()))
@@ -427,7 +436,7 @@ def _targets(model: PreTrainedModel, structure: Structure, probed: list[int]) ->
         for name, parameter in module.named_parameters():
             if parameter.requires_grad and id(parameter) not in seen:
                 seen.add(id(parameter))
-                targets.append((f"{owner}: {name}", parameter))
+                targets.append(_Target(f"{owner}: {name}", module, name))
     return targets
 
 
@@ -442,7 +451,7 @@ def _run(
     inputs: dict[str, Any],
     layers: list[nn.Module],
     probed: list[int],
-    targets: list[tuple[str, nn.Parameter]],
+    targets: list[_Target],
     cotangents: dict[int, torch.Tensor],
     generator: torch.Generator | None,
 ) -> _Run:
@@ -470,9 +479,17 @@ def _run(
     else:
         handles = [model.get_input_embeddings().register_forward_hook(embedded)]
     handles += [layer.register_forward_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    seen_in_forward: dict[int, dict[str, torch.Tensor]] = {}
+
+    def parameters_seen(module: nn.Module, args: tuple) -> None:
+        seen_in_forward.setdefault(id(module), dict(module.named_parameters()))
+
+    owners = {id(t.owner): t.owner for t in targets}.values()
+    handles += [owner.register_forward_pre_hook(parameters_seen) for owner in owners]
     try:
         with probing(model), torch.enable_grad():
-            output = model(**inputs)
+            gather_root(model)
+            output = model.forward(**inputs)  # inside the step's own call: not through its hooks again (FSDP2's)
             loss = output["loss"] if isinstance(output, dict) else output[0]
             total = loss.float()
             for index in probed:
@@ -483,7 +500,9 @@ def _run(
                 if real is not None:  # padding's hidden states are not the model's output: hf_memo may zero them
                     cotangent = cotangent * real.reshape(*real.shape, *[1] * (out.dim() - 2)).to(out)
                 total = total + (cotangent * out).float().sum() / math.sqrt(out.numel())
-            named = [("the embeddings' output", t) for t in leaf[:1]] + [(n, p) for n, p in targets]
+            found = {id(o): seen_in_forward.get(id(o)) or dict(o.named_parameters()) for o in owners}
+            named = [("the embeddings' output", t) for t in leaf[:1]]
+            named += [(t.label, found[id(t.owner)][t.name]) for t in targets]
             gradients = torch.autograd.grad(total, [t for _, t in named], allow_unused=True)
     finally:
         for handle in handles:
@@ -520,13 +539,18 @@ def _relative(
         return 0.0 if got is None and expected is None else math.inf
     if got.shape != expected.shape:
         return math.inf
+    if not expected.numel():
+        return 0.0
     dtype = torch.promote_types(expected.dtype, torch.float32)  # fp64 where the model is, else fp32 (a head's size)
-    finite = torch.isfinite(expected)
-    difference = torch.where(finite, (got.to(dtype) - expected.to(dtype)).abs(), torch.zeros((), dtype=dtype))
-    if not torch.isfinite(difference).all():
-        return math.inf
+    difference = got.to(dtype) - expected.to(dtype)
+    largest = torch.linalg.vector_norm(difference, math.inf)  # max |entry| in one pass
+    if not torch.isfinite(largest):  # (rare) a non-finite entry: only those of ``expected`` are left out
+        finite = torch.isfinite(expected)
+        if not torch.isfinite(difference[finite]).all():
+            return math.inf
+        largest = difference.masked_fill_(~finite, 0).abs_().max()
     base = _finite_max(expected if scale is None else scale)
-    return float(difference.max()) / max(base, floor, _TINY) if difference.numel() else 0.0
+    return float(largest) / max(base, floor, _TINY)
 
 
 def _differences(reference: _Run, patched: _Run, layers: list[nn.Module], tolerance: float) -> list[_Difference]:
@@ -561,8 +585,13 @@ def _differences(reference: _Run, patched: _Run, layers: list[nn.Module], tolera
 
 def _finite_max(tensor: torch.Tensor) -> float:
     """The largest finite ``|entry|`` of ``tensor`` (0 where none is)."""
+    if not tensor.numel():
+        return 0.0
+    largest = float(torch.linalg.vector_norm(tensor, math.inf))  # one pass where every entry is finite
+    if math.isfinite(largest):
+        return largest
     values = tensor.abs().to(torch.float64)
-    return float(torch.where(torch.isfinite(values), values, 0.0).max()) if values.numel() else 0.0
+    return float(torch.where(torch.isfinite(values), values, 0.0).max())
 
 
 def _tolerance(model: PreTrainedModel) -> float:
