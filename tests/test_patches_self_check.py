@@ -24,7 +24,7 @@ _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
 # (Falcon, Bloom, MPT), MLPs with a residual argument (Bloom, MPT), parts under other names (GPT-NeoX, MPT),
 # parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4), a norm before
 # the output projection (BitNet), the attention inside a norm-attention-norm block (DBRX), a residual taken after the
-# input norm and a linear-attention layer (MiniMax).
+# input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -41,6 +41,7 @@ FAMILIES = {
         {**_GQA, "intermediate_size_mlp": 48, "head_dim": 8, "num_local_experts": 2, "attention_chunk_size": None},
     ),
     "bitnet": ("BitNetConfig", _GQA),
+    "nanochat": ("NanoChatConfig", _GQA),
     "dbrx": (
         "DbrxConfig",
         {

@@ -50,6 +50,7 @@ TESTED_OUTSIDE_CATALOG = {
     "llama4_text": _EVERY_MODE,
     "minimax": _BUT_MEMO,
     "mpt": _BUT_MEMO,
+    "nanochat": _EVERY_MODE,
     "nemotron": _EVERY_MODE,
     "olmo": _EVERY_MODE,
     "stablelm": _EVERY_MODE,
