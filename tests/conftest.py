@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,11 @@ hf_logging.set_verbosity_error()
 # avoids oversubscribing them, which slowed small tests down tenfold.
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
+
+# The estimator's on-disk cache of fits (hf_memo.integrations.fit_cache): a fresh folder for each test process (and
+# the commands it starts), removed at its end; never the user's, so no test reads a fit that another run wrote.
+os.environ["HF_MEMO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hf_memo_test_cache_")
+atexit.register(shutil.rmtree, os.environ["HF_MEMO_CACHE_DIR"], True)
 
 VOCAB = 101
 TINY_LAYOUT = dict(  # a tiny Llama layout; other families' configs take the same fields

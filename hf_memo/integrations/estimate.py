@@ -44,17 +44,17 @@ from hf_memo.integrations.cluster import (
     rank_state_bytes,
     rank_states,
 )
+from hf_memo.integrations.fit_cache import CACHE_ENV, FitCache, cache_dir
 from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan
 from hf_memo.integrations.memo_estimate import (
     DEFAULT_GPU,
     GPUS,
     Budget,
     Gpu,
-    LayerFlops,
     MemoModel,
+    ModelFacts,
     attention_imbalance,
     gpu_of,
-    head_seconds,
     model_flops,
     step_seconds,
 )
@@ -365,8 +365,10 @@ class _Job:
         search_limit: int,
         bar: Any,
         lora: Lora | None = None,
+        cache: FitCache | None = None,
     ) -> None:
         self.lora = lora
+        self.cache = cache or FitCache(enabled=False)
         self.config, self.name, self.dtype, self.batch_size = config, name, dtype, batch_size
         self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
@@ -375,8 +377,12 @@ class _Job:
         self._states: ModelStates | None = None
 
     def key(self, mode: str) -> tuple:
-        """What a mode's closed form depends on (not the budgets: profiles have no memory limit)."""
+        """What a mode's closed form depends on: the model, the setup, the longest length profiles may take and (memo,
+        whose policies are profiled on one rank) the sequence-parallel degree. Not the budgets (profiles have no
+        memory limit), the GPU's speed or the ZeRO settings: they are applied to the fit, not fitted."""
+        k = self.cluster.sequence_parallel if mode == "memo" else 1
         return (
+            "fit",
             self.config.to_json_string(),
             mode,
             self.trainable,
@@ -384,8 +390,8 @@ class _Job:
             self.batch_size,
             self.dtype_name,
             self.optimizer,
-            self.cluster,
-            self.gpu,
+            self.search_limit,
+            k,
         )
 
     def profiler(self, mode: str, configure: Callable[[nn.Module], None], sequence_parallel: int = 1) -> StepProfiler:
@@ -448,36 +454,43 @@ class _Job:
     def closed_form(self, mode: str, traces: Sequence[AllocationTrace]) -> FittedFootprint | MemoModel:
         """``mode``'s closed form (memo: its :class:`MemoModel`) from the results of :meth:`profile_jobs`."""
         if mode == "memo":
-            model = self.memo_profiler_for(0.0, AUTO_CHUNKS).model(MODES["memo"].profile_layers[0])
-            adjust = self.adjust(model, all_to_all=False)  # memo's policies are profiled on a rank of K
             k = self.cluster.sequence_parallel
-            return MemoModel(
+            memo = MemoModel(
                 self.memo_profiler_for,
                 self.batch_size,
                 self.gpu,
                 self.search_limit,
                 k,
-                adjust,
+                None,
                 traces,
                 self.policy_profiler_for,
                 self.run_jobs,
-                restate=self.restate,
             )
-        return FittedFootprint(self.profiler_for(mode), MODES[mode].chunking, self.search_limit, traces)
+            return self.bind(memo)
+        profiler_for = self.profiler_for(mode)
+        fitted = FittedFootprint(profiler_for, MODES[mode].chunking, self.search_limit, traces)
+        return ModeFit(fitted, ModelFacts.of(profiler_for(AUTO_CHUNKS).model(fitted.depths[0])))
+
+    def bind(self, form: ModeFit | MemoModel) -> ModeFit | MemoModel:
+        """A closed form made ready for this question (memo's: its GPU, a rank's model states, the profilers and
+        runner of further block structures)."""
+        if isinstance(form, MemoModel):
+            adjust = self.adjust(form.facts.element_size, all_to_all=False)  # memo's policies are profiled on a rank
+            form.rebind(self.gpu, adjust, self.restate, self.policy_profiler_for, self.run_jobs)
+        return form
 
     def states(self) -> ModelStates:
         """The whole model's parameter counts (see :func:`model_states`)."""
         if self._states is None:
             self._states = model_states(
-                self.config, self.dtype, self.trainable, self.optimizer, self.cluster, self.lora
+                self.config, self.dtype, self.trainable, self.optimizer, self.cluster, self.lora, self.cache
             )
         return self._states
 
-    def adjust(self, model: nn.Module, all_to_all: bool = True) -> Callable[[Peak, int], tuple[Peak, int]]:
+    def adjust(self, element: int, all_to_all: bool = True) -> Callable[[Peak, int], tuple[Peak, int]]:
         """One rank's device peak and the host bytes of its model states, from a peak at its tokens chosen among
         moments :meth:`restate` restated: a single GPU's (``all_to_all``: the Ulysses exchanges' bytes are added) or
-        a rank's (they are in it)."""
-        element = next(p for p in model.parameters() if p.dim() >= 2).element_size()
+        a rank's (they are in it); ``element`` is the bytes of one activation element."""
 
         def adjust(device: Peak, rank_seq_len: int) -> tuple[Peak, int]:
             if self.cluster.num_gpus == 1 and self.cluster.zero == 0:
@@ -495,14 +508,20 @@ class _Job:
         return rank_state_bytes(values, self.states(), self.cluster)
 
 
-def _mode_estimate(
-    job: _Job, mode: str, fitted: FittedFootprint, seq_len: int, search: bool
-) -> tuple[ModeEstimate, StepProfiler]:
+@dataclass
+class ModeFit:
+    """A mode's closed form and what the step-time bound and a rank's accounting need of its model (every mode but
+    memo, whose :class:`MemoModel` holds both)."""
+
+    footprint: FittedFootprint
+    facts: ModelFacts
+
+
+def _mode_estimate(job: _Job, mode: str, fit: ModeFit, seq_len: int, search: bool) -> ModeEstimate:
     """A mode whose memory is what its closed form shows (every mode but memo)."""
     spec = MODES[mode]
-    profiler = job.profiler_for(mode)(AUTO_CHUNKS)
-    model = profiler.model(fitted.depths[0])
-    adjust, cluster = job.adjust(model), job.cluster
+    fitted, facts = fit.footprint, fit.facts
+    adjust, cluster = job.adjust(facts.element_size), job.cluster
 
     def at(length: int) -> tuple[Footprint, dict[str, float]]:
         rank_len = cluster.rank_seq_len(length)
@@ -521,11 +540,11 @@ def _mode_estimate(
         longest = _longest_fitting(lambda s: max(at(s)[1].values()), seq_len, job.search_limit)
         past = at(longest + 256)[1]
         binding = max(past, key=past.__getitem__)
-    flops, batch, layers = LayerFlops.of(model), job.batch_size, fitted.layers
+    flops, batch, layers = facts.flops, job.batch_size, fitted.layers
     seconds = mfu = None
     if fits:
         k = cluster.sequence_parallel
-        head = head_seconds(model, batch, seq_len, job.gpu) / k
+        head = facts.head_seconds(batch, seq_len, job.gpu) / k
         scale = attention_imbalance(fitted.config, k)  # the busiest rank's attention (uneven head split)
         seconds = step_seconds(mode, flops, layers, head * k, batch, seq_len, job.gpu, scale) / k
         mfu = model_flops(flops, layers, head * k, batch, seq_len, job.gpu) / k / (seconds * job.gpu.peak_flops)
@@ -540,7 +559,7 @@ def _mode_estimate(
         mfu=mfu,
         binding=binding,
     )
-    return result, profiler
+    return result
 
 
 MEMO_DESCRIPTION = (
@@ -561,8 +580,8 @@ def memo_mode_estimate(memo: MemoModel, seq_len: int, budget: Budget, search: bo
     footprint = Footprint(seq_len, choice_.device, choice_.host, memo.layers, memo.method)
     policy, seconds, mfu = choice_.policy, None, None
     if policy is not None:
-        model, batch = memo.model, memo.batch_size
-        head = head_seconds(model, batch, seq_len, memo.gpu) / k
+        batch = memo.batch_size
+        head = memo.facts.head_seconds(batch, seq_len, memo.gpu) / k
         seconds = policy.predicted_step_seconds + head
         useful = model_flops(memo.flops, memo.layers, head * k, batch, seq_len, memo.gpu) / k
         mfu = useful / (seconds * memo.gpu.peak_flops)
@@ -586,10 +605,23 @@ MAX_WORKERS = 8
 PROFILE_WEIGHT = {"memo": 3.0, "minseq": 1.5, "hf-checkpointing": 1.2}  # one profile's time, relative to vanilla's
 
 
-def closed_forms(job: _Job, modes: Sequence[str], workers: int | None) -> dict[str, Any]:
-    """Each mode's closed form (memo: its :class:`MemoModel`). The profiles of every mode not fitted before in this
-    process run side by side (see :func:`~hf_memo.profiler.workers.run_side_by_side`), the slowest first."""
-    missing = [mode for mode in modes if job.key(mode) not in _CLOSED_FORMS]
+def _known(job: _Job, mode: str, cache: FitCache) -> bool:
+    """Whether ``mode``'s closed form is at hand: fitted before in this process, or read now from ``cache``."""
+    key = job.key(mode)
+    if key not in _CLOSED_FORMS:
+        form = cache.load(cache.key(key))
+        if form is None:
+            return False
+        _CLOSED_FORMS[key] = form
+    return True
+
+
+def closed_forms(job: _Job, modes: Sequence[str], workers: int | None, cache: FitCache | None = None) -> dict[str, Any]:
+    """Each mode's closed form (memo: its :class:`MemoModel`, bound to this question). Those fitted before in this
+    process or kept in ``cache`` are reused; the profiles of every other mode run side by side (see
+    :func:`~hf_memo.profiler.workers.run_side_by_side`), the slowest first, and their fits are stored in ``cache``."""
+    cache = cache or FitCache(enabled=False)
+    missing = [mode for mode in modes if not _known(job, mode, cache)]
     jobs = {mode: job.profile_jobs(mode) for mode in missing}
     order = [(mode, index) for mode in missing for index in range(len(jobs[mode]))]
     order.sort(key=lambda item: -PROFILE_WEIGHT.get(item[0], 1.0))
@@ -604,16 +636,14 @@ def closed_forms(job: _Job, modes: Sequence[str], workers: int | None) -> dict[s
 
     workers = min(usable_cpus(), MAX_WORKERS) if workers is None else workers
     job.workers = workers
-    traces = run_side_by_side([jobs[mode][index] for mode, index in order], workers, on_done)
+    traces = run_side_by_side([jobs[mode][index] for mode, index in order], workers, on_done) if order else []
     by_mode: dict[str, list[AllocationTrace]] = {mode: [None] * len(jobs[mode]) for mode in missing}  # type: ignore[misc]
     for (mode, index), trace in zip(order, traces):
         by_mode[mode][index] = trace
     for mode in missing:
-        _CLOSED_FORMS[job.key(mode)] = job.closed_form(mode, by_mode[mode])
-    forms = {mode: _CLOSED_FORMS[job.key(mode)] for mode in modes}
-    if "memo" in forms:
-        forms["memo"].run_jobs = job.run_jobs  # a cached model profiles any further policy on this question's bar
-    return forms
+        _CLOSED_FORMS[job.key(mode)] = form = job.closed_form(mode, by_mode[mode])
+        cache.store(cache.key(job.key(mode)), form)
+    return {mode: job.bind(_CLOSED_FORMS[job.key(mode)]) for mode in modes}
 
 
 def estimate(
@@ -638,6 +668,7 @@ def estimate(
     lora_rank: int | None = None,
     lora_targets: str | Sequence[str] | None = None,
     trainable_modules: str | Sequence[str] | None = None,
+    cache: bool | FitCache = True,
 ) -> Estimate:
     """Peak device memory by category, host memory and the longest sequence that fits, per mode.
 
@@ -674,6 +705,9 @@ def estimate(
             default targets for the model type, e.g. ``q_proj, v_proj`` for Llama); only with ``trainable="lora"``.
         trainable_modules: modules trained in full beside the adapters (PEFT's ``modules_to_save``), e.g.
             ``"embed_tokens,norm"``; only with ``trainable="lora"``.
+        cache: read and write fitted closed forms in the on-disk cache (:mod:`~hf_memo.integrations.fit_cache`;
+            ``$HF_MEMO_CACHE_DIR`` or the user's cache directory), or a :class:`FitCache` to use; ``False`` fits
+            everything again (closed forms fitted before in this process are still reused). The answer is the same.
     """
     name, config = config_of(model_or_config)
     seq_len = parse_tokens(seq_len)
@@ -704,7 +738,8 @@ def estimate(
     spec = gpu_of(gpu)
     reserve_bytes = 0 if reserve is None else parse_bytes(reserve)
     host_reserve_bytes = 0 if host_reserve is None else parse_bytes(host_reserve)
-    states = model_states(config, dtype, trainable, optimizer, cluster, lora)
+    fit_cache = cache if isinstance(cache, FitCache) else FitCache(enabled=bool(cache))
+    states = model_states(config, dtype, trainable, optimizer, cluster, lora, fit_cache)
     ranked = rank_states(states, cluster) if cluster.zero else None
     budget = rank_budget(gpu_bytes, host_bytes, pinned_bytes, reserve_bytes, host_reserve_bytes, cluster, ranked)
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
@@ -712,16 +747,32 @@ def estimate(
     traces: dict[str, AllocationTrace] = {}
     try:
         job = _Job(
-            config, name, dtype, batch_size, optimizer, trainable, cluster, spec, budget, search_limit, bar, lora
+            config,
+            name,
+            dtype,
+            batch_size,
+            optimizer,
+            trainable,
+            cluster,
+            spec,
+            budget,
+            search_limit,
+            bar,
+            lora,
+            fit_cache,
         )
-        forms = closed_forms(job, modes, workers)
+        forms = closed_forms(job, modes, workers, fit_cache)
         for mode in modes:
             if mode == "memo":
+                structures = forms[mode].block_structures
                 results[mode] = memo_mode_estimate(forms[mode], seq_len, budget, search, search_limit)
-                profiler = job.profiler(mode, memo_with_offload(0.0))
+                if forms[mode].block_structures > structures:  # the answer profiled a policy of a new structure
+                    fit_cache.store(fit_cache.key(job.key(mode)), forms[mode])
             else:
-                results[mode], profiler = _mode_estimate(job, mode, forms[mode], seq_len, search)
+                results[mode] = _mode_estimate(job, mode, forms[mode], seq_len, search)
             if keep_traces:
+                memo_profiler = job.profiler(mode, memo_with_offload(0.0)) if mode == "memo" else None
+                profiler = memo_profiler or job.profiler_for(mode)(AUTO_CHUNKS)
                 traces[mode] = profiler.trace(cluster.rank_seq_len(seq_len))
     finally:
         bar.close()
@@ -780,18 +831,33 @@ def _names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
 
 
 def model_states(
-    config: Any, dtype: torch.dtype, trainable: str, optimizer: str, cluster: Cluster, lora: Lora | None = None
+    config: Any,
+    dtype: torch.dtype,
+    trainable: str,
+    optimizer: str,
+    cluster: Cluster,
+    lora: Lora | None = None,
+    cache: FitCache | None = None,
 ) -> ModelStates:
     """The whole model's parameter counts, from a fake copy of the trained model (LoRA applied as ``lora`` says, by
-    default PEFT's default targets at rank 8) with fewer layers."""
-
-    def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
-        return with_lora(model, session, lora) if trainable == "lora" else model
-
-    model = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
-    layers = config.get_text_config().num_hidden_layers
+    default PEFT's default targets at rank 8) with fewer layers; kept in ``cache`` (and in this process) with the
+    closed forms."""
     threshold = cluster.deepspeed.param_persistence_threshold
-    return ModelStates.of(model, layers, optimizer == "adamw", threshold)
+    key = ("states", config.to_json_string(), str(dtype), trainable, optimizer, lora, threshold)
+    cache = cache or FitCache(enabled=False)
+    if key not in _CLOSED_FORMS:
+        states = cache.load(cache.key(key))
+        if states is None:
+
+            def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
+                return with_lora(model, session, lora) if trainable == "lora" else model
+
+            model = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
+            layers = config.get_text_config().num_hidden_layers
+            states = ModelStates.of(model, layers, optimizer == "adamw", threshold)
+            cache.store(cache.key(key), states)
+        _CLOSED_FORMS[key] = states
+    return _CLOSED_FORMS[key]
 
 
 def rank_budget(
@@ -911,6 +977,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="processes that profile side by side (default: one per CPU this process may use, at most 8)",
     )
     parser.add_argument("--no-search", action="store_true", help="skip the search for the longest sequence")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="fit every closed form again instead of reading (and writing) the on-disk cache of fits "
+        f"(${CACHE_ENV}, default {cache_dir()}); the answer is the same",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", default=None, help="write a memory timeline PNG of each mode here")
     parser.add_argument("--trace-dir", default=None, help="write each mode's allocation trace here as JSON lines")
@@ -1004,6 +1076,7 @@ def run(args: argparse.Namespace) -> int:
         gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
         cluster=cluster,
         workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
+        cache=not args.no_cache,
         **memory_of(args, cluster),
     )
     result.host_memory_source = HOST_FROM_FLAG if args.host_memory is not None else HOST_FROM_THIS_MACHINE

@@ -145,8 +145,15 @@ class FittedFootprint:
             + ")"
         )
 
+    def __getstate__(self) -> dict:
+        """The closed form without the profiles it was fitted to (what the on-disk cache keeps: a few kilobytes
+        instead of the traces' megabytes); :meth:`trace` then has none to give."""
+        state = dict(self.__dict__)
+        state["_traces"] = {}
+        return state
+
     def trace(self, layers: int, seq_len: int, chunks: Chunks) -> AllocationTrace:
-        """One of the profiles the closed form was fitted to."""
+        """One of the profiles the closed form was fitted to (``KeyError`` for a closed form read from the cache)."""
         return self._traces[(layers, seq_len, chunks)]
 
     def size(self, seq_len: int, layers: int | None = None, chunks: Chunks = AUTO_CHUNKS) -> StepSize:

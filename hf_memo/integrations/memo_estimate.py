@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
@@ -107,6 +108,33 @@ class LayerFlops:
             (matmul + weight_grads + 2 * attention) / peak_flops,
             (attention / peak_flops),
         )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the step-time bound and a rank's accounting read off a (fake) copy of the trained model, kept beside a
+    closed form so that a cached one answers without building the model again."""
+
+    element_size: int  # bytes of one element of the weights (and so of the activations)
+    flops: LayerFlops  # of one decoder layer
+    head_weights: int  # elements of the LM head's weight (0: no output embedding)
+    head_trainable: bool  # whether the LM head's weight takes gradients
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelFacts:
+        """The facts of ``model`` (a ``*ForCausalLM`` or a PEFT model around one)."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return cls(
+            next(p for p in model.parameters() if p.dim() >= 2).element_size(),
+            LayerFlops.of(model),
+            0 if head is None else head.weight.numel(),
+            head is not None and head.weight.requires_grad,
+        )
+
+    def head_seconds(self, batch_size: int, seq_len: int, gpu: Gpu) -> float:
+        """FLOP-based seconds of the LM head's forward and backward on ``(batch_size, seq_len)`` tokens."""
+        factor = 6.0 if self.head_trainable else 4.0
+        return factor * self.head_weights * batch_size * seq_len / gpu.peak_flops
 
 
 @dataclass(frozen=True)
@@ -254,9 +282,40 @@ class MemoModel:
             f"{plan.seq_lens[0]:,} and {plan.seq_lens[1]:,} tokens, closed form in the block sizes, "
             "tokens and chunk rows)"
         )
-        self.model = profiler_for(1.0, BASE_CHUNKS).model(depth)
-        self.flops = LayerFlops.of(self.model)
+        self.facts = ModelFacts.of(profiler_for(1.0, BASE_CHUNKS).model(depth))
+        self.flops = self.facts.flops
         self._profiles: dict[int, MemoProfile] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What is fitted (the closed forms of every block structure profiled, the solver's per-token bytes, the
+        model's facts), without what belongs to one question (profilers, runner, the rank's adjustments, GPU):
+        :meth:`rebind` sets those again."""
+        state = dict(self.__dict__)
+        for name in ("_policy_profiler_for", "run_jobs", "_adjust", "_restate", "gpu"):
+            state[name] = None
+        state["_profiles"] = {}
+        return state
+
+    def rebind(
+        self,
+        gpu: Gpu,
+        adjust: Callable[[Peak, int], tuple[Peak, int]] | None,
+        restate: Restate | None,
+        policy_profiler_for: Callable[[MemoryPolicy, Chunks], StepProfiler],
+        run_jobs: Runner = _run_here,
+    ) -> MemoModel:
+        """This model answering another question of the same fit (same model, setup and sequence parallelism): its
+        GPU's cost model, a rank's model states (``adjust``, ``restate``: see the constructor) and the profilers of
+        further block structures. The solver's views of lengths asked before are dropped (they depend on these)."""
+        self.gpu, self._adjust, self._restate = gpu, adjust, restate
+        self._policy_profiler_for, self.run_jobs = policy_profiler_for, run_jobs
+        self._profiles = {}
+        return self
+
+    @property
+    def block_structures(self) -> int:
+        """How many block structures (kinds of policies) have a closed form so far."""
+        return len(self._footprints)
 
     @staticmethod
     def jobs(
@@ -308,7 +367,7 @@ class MemoModel:
         text = self.config.get_text_config()
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        element = next(p for p in self.model.parameters() if p.dim() >= 2).element_size()  # activations' dtype
+        element = self.facts.element_size  # activations' dtype
         tokens = self._batch_size * seq_len
         input_bytes = float(tokens * text.hidden_size * element)
         k = self.sequence_parallel  # a rank runs 1/K of the FLOPs of the whole sequence, the busiest more attention
@@ -421,13 +480,8 @@ def step_seconds(
 
 
 def head_seconds(model: nn.Module, batch_size: int, seq_len: int, gpu: Gpu) -> float:
-    """FLOP-based seconds of the LM head's forward and backward."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return 0.0
-    weights = head.weight.numel()
-    factor = 6.0 if head.weight.requires_grad else 4.0
-    return factor * weights * batch_size * seq_len / gpu.peak_flops
+    """FLOP-based seconds of the LM head's forward and backward (see :meth:`ModelFacts.head_seconds`)."""
+    return ModelFacts.of(model).head_seconds(batch_size, seq_len, gpu)
 
 
 def model_flops(flops: LayerFlops, layers: int, head: float, batch_size: int, seq_len: int, gpu: Gpu) -> float:

@@ -1,0 +1,128 @@
+"""The estimator's on-disk cache of fitted closed forms: a question asked before profiles nothing.
+
+A closed form (:class:`~hf_memo.integrations.fitted.FittedFootprint`, memo's
+:class:`~hf_memo.integrations.memo_estimate.MemoModel` with every block structure profiled so far) and the model
+states' counts depend on the model's config, the setup (mode, trainable, LoRA, optimizer, dtype, batch size,
+sequence parallelism, the positions the model allows) and the code that ran the profiles: hf_memo's, PyTorch's,
+Transformers' and PEFT's. An entry's key is a SHA-256 of all of them, hf_memo's sources included (its version
+string does not change with every edit), so an entry is never read by other code than wrote it. Budgets (GPU,
+host and pinned memory, reserves), the GPU model and the ZeRO settings are applied after the fit and are not in
+the key: one fit answers them all.
+
+Entries are pickles in the user's cache directory (``$HF_MEMO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hf_memo`` or
+``~/.cache/hf_memo``; ``%LOCALAPPDATA%\\hf_memo`` on Windows, ``~/Library/Caches/hf_memo`` on macOS), under
+``estimator/``. A writer writes a temporary file beside the entry and renames it over the entry
+(``os.replace``, atomic on one file system), so two runs writing at once leave one whole entry, never a mix, and
+a reader sees an old whole entry or a new one. An entry that cannot be read (cut short, written by another
+Python) is a miss and is written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import platform
+import sys
+import tempfile
+from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "HF_MEMO_CACHE_DIR"  # the folder the cache lives in (its estimator/ subfolder holds the entries)
+FORMAT = 1  # of an entry's contents; a change makes every older entry a miss
+_PACKAGE = Path(__file__).resolve().parents[1]  # hf_memo/
+_LIBRARIES = ("hf-memo", "torch", "transformers", "peft", "numpy")
+
+
+def cache_dir() -> Path:
+    """The folder of the estimator's entries: ``$HF_MEMO_CACHE_DIR/estimator``, else the user's cache directory's
+    ``hf_memo/estimator``."""
+    if os.environ.get(CACHE_ENV):
+        root = Path(os.environ[CACHE_ENV])
+    elif sys.platform == "win32":
+        root = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local")) / "hf_memo"
+    elif sys.platform == "darwin":
+        root = Path.home() / "Library" / "Caches" / "hf_memo"
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_memo"
+    return root / "estimator"
+
+
+def _installed(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "-"
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A SHA-256 of the code a fit depends on: hf_memo's sources (every ``.py`` file of the package, by path and
+    contents), the versions of hf_memo, PyTorch, Transformers, PEFT and NumPy, and Python's (pickles)."""
+    digest = hashlib.sha256()
+    digest.update(f"format {FORMAT}; python {platform.python_version()}".encode())
+    for name in _LIBRARIES:
+        digest.update(f"; {name} {_installed(name)}".encode())
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+class FitCache:
+    """Fits on disk under ``folder`` (default :func:`cache_dir`), by key; ``enabled=False`` reads and writes nothing
+    (``--no-cache``).
+
+    Args:
+        folder: where the entries are (created on the first write).
+        enabled: whether to read and write at all.
+    """
+
+    def __init__(self, folder: str | Path | None = None, enabled: bool = True) -> None:
+        self.folder = Path(folder) if folder is not None else cache_dir()
+        self.enabled = enabled
+
+    @staticmethod
+    def key(parts: tuple) -> str:
+        """The entry name of what ``parts`` (a tuple with a deterministic ``repr``: strings, numbers, frozen
+        dataclasses) describes, with the code it was fitted by (:func:`code_fingerprint`)."""
+        return hashlib.sha256(f"{code_fingerprint()}\n{parts!r}".encode()).hexdigest()
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{key}.pkl"
+
+    def load(self, key: str) -> Any | None:
+        """The value stored under ``key``, or ``None`` (disabled, absent, or not readable as a whole entry)."""
+        if not self.enabled:
+            return None
+        try:
+            with open(self.path(key), "rb") as file:
+                stored_key, value = pickle.load(file)
+        except FileNotFoundError:
+            return None
+        except Exception:  # cut short, or written by other code: a miss, written again after the fit
+            return None
+        return value if stored_key == key else None
+
+    def store(self, key: str, value: Any) -> None:
+        """Write ``value`` under ``key``: to a temporary file in the same folder, then renamed over the entry, so
+        that a reader never sees half an entry and concurrent writers leave one whole entry. A folder that cannot
+        be written (read-only, full disk) leaves the estimate uncached, not failed."""
+        if not self.enabled:
+            return
+        temporary = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.folder, prefix=f".{key[:16]}.", suffix=".tmp")
+            with os.fdopen(handle, "wb") as file:
+                pickle.dump((key, value), file, protocol=pickle.HIGHEST_PROTOCOL)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, self.path(key))
+            temporary = None
+        except OSError:
+            pass
+        finally:
+            if temporary is not None and os.path.exists(temporary):
+                os.unlink(temporary)

@@ -1,0 +1,149 @@
+"""The estimator's on-disk cache of fits: a cached answer is the cold one, a changed key misses, writers at once
+leave one whole entry."""
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from hf_memo.integrations import estimate as estimate_module
+from hf_memo.integrations import fit_cache
+from hf_memo.integrations.estimate import estimate
+from hf_memo.integrations.fit_cache import FitCache, cache_dir
+from hf_memo.profiler.footprint import StepProfiler
+from hf_memo.profiler.workers import run_side_by_side
+from tests.test_profiler_step import CONFIGS
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    CONFIGS["llama"](4).save_pretrained(folder)
+    return str(folder / "config.json")
+
+
+@pytest.fixture
+def fresh_process(monkeypatch):
+    """Nothing fitted in this process (as in a new run); the profile batches run from here on are recorded."""
+    monkeypatch.setattr(estimate_module, "_CLOSED_FORMS", {})
+    ran = []
+
+    def recording(jobs, workers=None, on_done=None):
+        ran.append(len(jobs))
+        return run_side_by_side(jobs, workers, on_done)
+
+    monkeypatch.setattr(estimate_module, "run_side_by_side", recording)
+    return ran
+
+
+def _no_profiles(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached answer profiled a step")
+
+    monkeypatch.setattr(StepProfiler, "trace", refuse)
+    monkeypatch.setattr(StepProfiler, "model", refuse)
+
+
+def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(tmp_path, config_path, fresh_process, monkeypatch):
+    cache = FitCache(tmp_path)
+    question = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, modes=["vanilla", "minseq", "memo"], progress=False)
+    cold = estimate(config_path, 4096, cache=cache, workers=1, **question)
+    assert fresh_process and sum(fresh_process) >= 4 + 6 + 10  # every mode was profiled
+    assert len(list(tmp_path.glob("*.pkl"))) == 4  # three modes' fits and the model states
+    monkeypatch.setattr(estimate_module, "_CLOSED_FORMS", {})  # a new run
+    _no_profiles(monkeypatch)
+    fresh_process.clear()
+    warm = estimate(config_path, 4096, cache=cache, workers=1, **question)
+    assert not fresh_process
+    assert warm.to_dict() == cold.to_dict() and warm.table() == cold.table()
+    assert warm.modes["memo"].policy == cold.modes["memo"].policy and cold.modes["memo"].longest_seq_len > 0
+
+
+def test_a_changed_key_misses_and_budgets_are_not_in_it(tmp_path, config_path, fresh_process):
+    cache = FitCache(tmp_path)
+    question = dict(modes=["vanilla"], progress=False, workers=1, cache=cache)
+    estimate(config_path, 4096, 24 * MiB, **question)
+    assert fresh_process == [4]
+    estimate_module._CLOSED_FORMS.clear()
+    estimate(config_path, 4096, 48 * MiB, host_memory=64 * MiB, **question)  # other budgets: the same fit
+    assert fresh_process == [4]
+    estimate_module._CLOSED_FORMS.clear()
+    estimate(config_path, 4096, 24 * MiB, batch_size=2, **question)  # another setup: fitted again
+    assert fresh_process == [4, 4]
+    estimate_module._CLOSED_FORMS.clear()
+    estimate(config_path, 4096, 24 * MiB, modes=["vanilla"], progress=False, workers=1, cache=False)
+    assert fresh_process == [4, 4, 4]  # --no-cache reads nothing
+
+
+def test_the_key_holds_the_code_and_disabled_caches_neither_read_nor_write(tmp_path, monkeypatch):
+    cache = FitCache(tmp_path)
+    key = cache.key(("fit", "config", 1))
+    cache.store(key, {"bytes": 1})
+    assert cache.load(key) == {"bytes": 1}
+    assert cache.key(("fit", "config", 2)) != key and cache.load(cache.key(("fit", "config", 2))) is None
+    monkeypatch.setattr(fit_cache, "code_fingerprint", lambda: "other code")  # an edit of hf_memo, a new torch
+    assert cache.key(("fit", "config", 1)) != key
+    off = FitCache(tmp_path, enabled=False)
+    assert off.load(key) is None
+    off.store(cache.key(("other",)), 1)
+    assert len(list(tmp_path.iterdir())) == 1
+    monkeypatch.setenv("HF_MEMO_CACHE_DIR", str(tmp_path / "here"))
+    assert cache_dir() == tmp_path / "here" / "estimator" and FitCache().folder == cache_dir()
+
+
+def test_the_fingerprint_covers_hf_memos_sources(tmp_path, monkeypatch):
+    package = tmp_path / "hf_memo"
+    package.mkdir()
+    (package / "runtime.py").write_text("A = 1\n")
+    monkeypatch.setattr(fit_cache, "_PACKAGE", package)
+    fit_cache.code_fingerprint.cache_clear()
+    try:
+        before = fit_cache.code_fingerprint()
+        (package / "runtime.py").write_text("A = 2\n")
+        fit_cache.code_fingerprint.cache_clear()
+        assert fit_cache.code_fingerprint() != before
+    finally:
+        fit_cache.code_fingerprint.cache_clear()
+
+
+def test_an_unreadable_entry_is_a_miss_and_is_written_again(tmp_path):
+    cache = FitCache(tmp_path)
+    key = cache.key(("fit",))
+    cache.path(key).write_bytes(b"\x80\x05cut short")
+    assert cache.load(key) is None
+    cache.store(key, [1, 2])
+    assert cache.load(key) == [1, 2]
+    cache.path(key).write_bytes(b"")  # an empty file (a disk that filled up)
+    assert cache.load(key) is None
+
+
+WRITES = 8
+
+
+def _write(folder: str, key: str, writer: int) -> None:
+    cache = FitCache(folder)
+    for _ in range(WRITES):
+        cache.store(key, np.full(1 << 19, writer, dtype=np.int64))  # 4 MiB: many writes of the file each
+
+
+def test_writers_at_once_leave_one_whole_entry_and_readers_never_see_half_of_one(tmp_path):
+    cache = FitCache(tmp_path)
+    key = cache.key(("fit", "shared"))
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_write, args=(str(tmp_path), key, writer)) for writer in range(1, 5)]
+    for process in writers:
+        process.start()
+    while any(process.is_alive() for process in writers):
+        value = cache.load(key)
+        if value is not None:  # absent before the first rename; whole ever after
+            assert value.shape == (1 << 19,) and (value == value[0]).all() and 1 <= value[0] <= 4
+    for process in writers:
+        process.join()
+        assert process.exitcode == 0
+    final = cache.load(key)
+    assert final is not None and (final == final[0]).all() and 1 <= final[0] <= 4
+    assert [path.name for path in tmp_path.iterdir()] == [cache.path(key).name]  # no temporary file left behind
+    assert os.stat(cache.path(key)).st_size > 4 * MiB
