@@ -122,3 +122,49 @@ def test_an_attention_that_does_more_than_project_its_output_is_finished_by_its_
     got = torch.cat([split.finish(x[:, :4], o[:, :4], 0), split.finish(x[:, 4:], o[:, 4:], 4)], dim=1)
     want = layer(x, position_embeddings=arguments.arguments["position_embeddings"])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _differential_layer_call(rows: int = 9):
+    """DiffLlama's layer 0 (its attention calls the interface twice, with the same queries and keys and each half
+    of its values), its forward, arguments and ``x``."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = DiffLlamaForCausalLM(DiffLlamaConfig(**TINY_LAYOUT)).double()
+    return _layer_call(model, rows)
+
+
+def test_an_attention_calling_the_interface_twice_is_split_with_both_values_side_by_side():
+    layer, inner, arguments, x = _differential_layer_call()
+    split = GenericSplit(layer, inner, arguments, find_anatomy(layer, inner, arguments, x, "diffllama"))
+    assert split.anatomy.calls == 2 and split.anatomy.own_tail
+    q, k, v = split.project(x, 0, 9)
+    assert v.shape[-1] == 2 * q.shape[-1]  # each call's values, (B, h_kv, s, D) each
+    groups = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(groups, 1).transpose(-1, -2)) * split.traits.scale
+    scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), -torch.inf)
+    o = (scores.softmax(-1) @ v.repeat_interleave(groups, 1)).transpose(1, 2).reshape(2, 9, -1)
+    got = torch.cat([split.finish(x[:, :4], o[:, :4], 0), split.finish(x[:, 4:], o[:, 4:], 4)], dim=1)
+    want = layer(x, position_embeddings=arguments.arguments["position_embeddings"])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_attention_calling_the_interface_twice_with_other_keys_is_refused():
+    layer, inner, arguments, x = _differential_layer_call()
+    anatomy = find_anatomy(layer, inner, arguments, x, "diffllama")
+
+    def twice(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):  # its keys projected anew
+        from transformers.models.diffllama import modeling_diffllama
+
+        interface = modeling_diffllama.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k1, k2 = (self.k_proj(hidden_states).view(shape).transpose(1, 2) for _ in "12")
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        first, _ = interface(self, q, k1, v, attention_mask, scaling=self.scaling)
+        second, _ = interface(self, q, k2, v, attention_mask, scaling=self.scaling)
+        return self.o_proj(torch.cat([first, second], -1)[..., : first.shape[-1]].flatten(-2)), None
+
+    layer.self_attn.forward = twice.__get__(layer.self_attn)
+    with pytest.raises(ValueError, match="calls the attention interface 2 times with other queries, keys"):
+        GenericSplit(layer, inner, arguments, anatomy).project(x, 0, 9)

@@ -24,7 +24,8 @@ _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
 # (Falcon, Bloom, MPT), MLPs with a residual argument (Bloom, MPT), parts under other names (GPT-NeoX, MPT),
 # parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4), a norm before
 # the output projection (BitNet), the attention inside a norm-attention-norm block (DBRX), a residual taken after the
-# input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat).
+# input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat), two
+# attention calls per layer with the same queries and keys (DiffLlama).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -42,6 +43,7 @@ FAMILIES = {
     ),
     "bitnet": ("BitNetConfig", _GQA),
     "nanochat": ("NanoChatConfig", _GQA),
+    "diffllama": ("DiffLlamaConfig", _GQA),
     "dbrx": (
         "DbrxConfig",
         {

@@ -201,7 +201,7 @@ def test_a_window_reaches_pytorchs_cuda_flash_kernel_and_sinks_compose_with_it(m
     traits = AttentionTraits(0.3, window=5, sinks=torch.randn(4, dtype=torch.float64, generator=gen))
     want_out, want_stats = attention_forward(q, k, v, traits)
     want = attention_backward(upstream, q, k, v, want_out, want_stats, traits)
-    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True: "cuda-flash")
+    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True, value_head_dim=None: "cuda-flash")
     with TorchFlashOnCpu() as flash:
         out, stats = attention_forward(q, k, v, traits)
         grads = attention_backward(upstream, q, k, v, out, stats, traits)

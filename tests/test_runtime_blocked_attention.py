@@ -164,7 +164,7 @@ def test_on_flash_attn_the_backward_runs_once_per_kv_head_and_stays_exact(monkey
     stand_in = _FlashAttnOnCpu()
     monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: stand_in)
     for module in (attention_core, blocked_attention):
-        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True: "flash-attn")
+        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True, value_head_dim=None: "flash-attn")
     out, lse, grads = _blocked(q, k, v, upstream, traits, 7)
     _assert_close((out, lse), (want_out, want_lse), 1e-12)
     _assert_close(grads, want_grads, 1e-12)
@@ -183,7 +183,7 @@ def test_on_flash_attn_the_query_block_core_expands_one_blocks_keys_per_call_and
     stand_in = _FlashAttnOnCpu()
     monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: stand_in)
     for module in (attention_core, blocked_attention):
-        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True: "flash-attn")
+        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True, value_head_dim=None: "flash-attn")
     keys = []
     backward = stand_in._flash_attn_backward
     monkeypatch.setattr(

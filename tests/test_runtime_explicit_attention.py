@@ -212,3 +212,22 @@ def test_the_explicit_path_runs_under_fake_tensors():
         grads = attention_backward(out, q, k, v, out, stats, traits)
     assert out.shape == q.shape and stats.lse.shape == (2, 4, 40)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape, (4,)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_values_of_another_head_size_go_to_the_explicit_kernel_and_equal_the_written_out_math(heads, kv_heads):
+    """Values twice as wide as the queries and keys (DiffLlama's two value halves side by side): the CPU flash
+    kernel needs equal head sizes, so the explicit kernel computes them; output and gradients are the math's."""
+    q, k, _, _ = _inputs(3, heads, kv_heads, 11)
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(2, 11, kv_heads, 16, dtype=torch.float64, generator=gen).transpose(1, 2)
+    upstream = torch.randn(2, heads, 11, 16, dtype=torch.float64, generator=gen)
+    traits = AttentionTraits(0.35)
+    assert backend_for(q, traits, value_head_dim=16) == "explicit" and backend_for(q, traits) == "cpu-flash"
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = _reference(*leaves, traits)
+    want.backward(upstream)
+    out, stats = attention_forward(q, k, v, traits)
+    assert out.shape == (2, heads, 11, 16)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    _assert_gradients(attention_backward(upstream, q, k, v, out, stats, traits)[:3], leaves)

@@ -133,7 +133,7 @@ def test_the_core_calls_flash_attn_with_its_interface_and_gets_exact_gradients(
     math with the same mask."""
     _install(tmp_path, monkeypatch, "2.8.3", FAKE_INTERFACE)
     fake = flash_attn_package.flash_attn_interface()
-    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True: "flash-attn")
+    monkeypatch.setattr(attention_core, "backend_for", lambda q, traits, causal=True, value_head_dim=None: "flash-attn")
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 11, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
     k, v = (torch.randn(2, 11, 2, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in range(2))

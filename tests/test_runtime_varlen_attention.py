@@ -149,15 +149,20 @@ def test_the_packed_kernels_serve_where_the_flash_kernel_does_and_never_attendin
 
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     packed, padded = BatchLayout(8, (((0, 3), (3, 8)),)), BatchLayout(8, (((0, 3),),), padding_attends=True)
-    assert packed_kernels_for(q, packed, TRAITS) is None  # CPU: per-sample calls
+    assert packed_kernels_for(q, q, packed, TRAITS) is None  # CPU: per-sample calls
     chosen = []
-    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, traits: chosen.append(t.dtype) or "cuda-flash")
-    assert packed_kernels_for(q, packed, AttentionTraits(0.3, 0.1, window=2)) is PackedKernels
-    assert chosen == [torch.bfloat16]
-    assert packed_kernels_for(q, padded, TRAITS) is None  # padding attending over its sample: per-block calls
-    assert packed_kernels_for(q, packed, AttentionTraits(0.3, softcap=5.0)) is None  # PyTorch's kernel has no softcap
-    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, traits: "cuda-efficient")
-    assert packed_kernels_for(q, packed, TRAITS) is None
+
+    def flash(t, traits, value_head_dim):
+        chosen.append((t.dtype, value_head_dim))
+        return "cuda-flash"
+
+    monkeypatch.setattr(varlen_attention, "backend_for", flash)
+    assert packed_kernels_for(q, q, packed, AttentionTraits(0.3, 0.1, window=2)) is PackedKernels
+    assert chosen == [(torch.bfloat16, 64)]
+    assert packed_kernels_for(q, q, padded, TRAITS) is None  # padding attending over its sample: per-block calls
+    assert packed_kernels_for(q, q, packed, AttentionTraits(0.3, softcap=5.0)) is None  # PyTorch's: no softcap
+    monkeypatch.setattr(varlen_attention, "backend_for", lambda t, traits, value_head_dim: "cuda-efficient")
+    assert packed_kernels_for(q, q, packed, TRAITS) is None
 
 
 def _sample_window_mask(rows, length, window):

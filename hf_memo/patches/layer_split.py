@@ -57,10 +57,53 @@ class _Captured(Exception):  # noqa: N818 (control flow, not an error)
         self.qkv, self.mask, self.kwargs = (query, key, value), mask, kwargs
 
 
+@dataclass
+class _Calls:
+    """The attention calls of one pass through an attention module that calls the interface ``expected`` times
+    with the same queries and keys (DiffLlama: once per half of its values), and the calls answered so far."""
+
+    expected: int
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, dict]]
+    answered: int = 0
+
+
+# The pass under way: ``None`` where the attention module calls the interface once.
+_calls: contextvars.ContextVar[_Calls | None] = contextvars.ContextVar("hf_memo_calls", default=None)
+
+
+@contextlib.contextmanager
+def _expecting(calls: int) -> Iterator[_Calls | None]:
+    """Inside, the capturing and answering interfaces serve an attention module calling the interface ``calls``
+    times per pass (``0``: not known yet, the answering interface counts them in what it yields)."""
+    state = _Calls(calls, []) if calls != 1 else None
+    token = _calls.set(state)
+    try:
+        yield state
+    finally:
+        _calls.reset(token)
+
+
 def _capture(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None, **kwargs
 ):
-    raise _Captured(query, key, value, attention_mask, kwargs)
+    """Raises :class:`_Captured` with the call's ``q, k, v``; for an attention calling the interface several times
+    with the same ``q, k`` (see :class:`_Calls`), at the last call, with the calls' values side by side
+    ``(B, h_kv, s, calls * D_v)``, answering the calls before it with zeros."""
+    calls = _calls.get()
+    if calls is None:
+        raise _Captured(query, key, value, attention_mask, kwargs)
+    calls.seen.append((query, key, value, attention_mask, kwargs))
+    if len(calls.seen) < calls.expected:
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+    first = calls.seen[0]
+    for q, k, _, mask, other in calls.seen[1:]:
+        if q is not first[0] or k is not first[1] or mask is not first[3] or other.keys() != first[4].keys():
+            raise ValueError(
+                f"{type(module).__name__} calls the attention interface {calls.expected} times with other queries, "
+                "keys or masks, where hf_memo's attention core computes one attention per layer"
+            )
+    values = torch.cat([v for _, _, v, _, _ in calls.seen], dim=-1)
+    raise _Captured(first[0], first[1], values, first[3], first[4])
 
 
 @functools.cache
@@ -76,11 +119,20 @@ _answer_rows: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextV
 def _answer(
     module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None, **kwargs
 ) -> tuple[torch.Tensor, None]:
-    """An attention interface that answers ``(B, s, h, D_v)`` from :data:`_answer_rows` without computing anything."""
+    """An attention interface that answers ``(B, s, h, D_v)`` from :data:`_answer_rows` without computing anything:
+    for an attention calling the interface several times (:class:`_Calls`), each call its own ``D_v`` of each head's
+    ``calls * D_v``."""
     rows = _answer_rows.get()
+    calls = _calls.get()
+    if calls is not None:
+        calls.answered += 1
     if rows is None:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-    return rows.unflatten(-1, (query.shape[1], -1)), None
+    heads = rows.unflatten(-1, (query.shape[1], -1))
+    if calls is None:
+        return heads, None
+    width = value.shape[-1]
+    return heads[..., (calls.answered - 1) * width : calls.answered * width], None
 
 
 @functools.cache
@@ -162,12 +214,15 @@ class Anatomy:
         own_tail: ``finish`` runs the attention module's own code after the interface, not just its output
             projection.
         traits: the attention's traits in the mode of the step that found them.
+        calls: how many times the attention module calls the interface, with the same queries and keys (each call's
+            values side by side in ``v``; the finish answers each call its own).
     """
 
     attention_input: nn.Module | None
     skip_input: bool
     own_tail: bool
     traits: AttentionTraits
+    calls: int = 1
 
 
 class LayerArguments:
@@ -219,7 +274,7 @@ class GenericSplit:
         self.output_projection = output_projection_of(self.attn)
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with _implementation(self.attn, _register_capture()):
+        with _implementation(self.attn, _register_capture()), _expecting(self.anatomy.calls):
             try:
                 self.inner(hidden_states=x, **self.arguments.rows(start, stop))
             except _Captured as captured:
@@ -240,6 +295,7 @@ class GenericSplit:
         -> ``(B, s, H)`` (or the layer's tuple)."""
         with contextlib.ExitStack() as stack:
             if self.anatomy.own_tail:
+                stack.enter_context(_expecting(self.anatomy.calls))
                 stack.enter_context(_answered(self.attn, o))
                 arguments = self.arguments.rows(start, start + x.shape[1])
             else:
@@ -326,11 +382,12 @@ def find_anatomy(
         handles.append(attn.register_forward_pre_hook(record_input, with_kwargs=True))
         handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
         try:
-            with _answered(attn, None), eval_mode(layer):
+            with _expecting(0) as counted, _answered(attn, None), eval_mode(layer):
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
         finally:
             for handle in handles:
                 handle.remove()
+    calls = max(counted.answered, 1)
     source = seen["input"]
     attention_input = outputs[id(source)][0] if source is not rows and id(source) in outputs else None
     if _projection_mixes_rows(GenericSplit(layer, inner, arguments, Anatomy(None, False, False, traits)), rows):
@@ -341,8 +398,9 @@ def find_anatomy(
             "recompute='none', 'full' or 'selective'"
         )
     worst = None
-    for skip_input, own_tail in _candidates(attn, attention_input, seen.get("mlp") is source):
-        anatomy = Anatomy(attention_input, skip_input, own_tail, traits)
+    candidates = _candidates(attn, attention_input, seen.get("mlp") is source) if calls == 1 else [(False, True)]
+    for skip_input, own_tail in candidates:  # (several calls: only the module's own code combines them)
+        anatomy = Anatomy(attention_input, skip_input, own_tail, traits, calls)
         worst = check_split(layer, inner, arguments, rows, anatomy)
         if worst <= split_tolerance(rows.dtype):
             return anatomy

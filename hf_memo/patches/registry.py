@@ -43,6 +43,7 @@ TESTED_OUTSIDE_CATALOG = {
     "bitnet": _EVERY_MODE,
     "bloom": _BUT_MEMO,
     "dbrx": _EVERY_MODE,
+    "diffllama": _EVERY_MODE,
     "doge": _BUT_MEMO,
     "falcon": _BUT_MEMO,
     "gpt_neox": _EVERY_MODE,

@@ -102,6 +102,7 @@ def select_backend(
     windowed: bool = False,
     softcapped: bool = False,
     flash_attn: bool | None = None,
+    value_head_dim: int | None = None,
 ) -> str:
     """The kernel for attention on ``device_type`` in ``dtype`` with head size ``head_dim``.
 
@@ -110,12 +111,15 @@ def select_backend(
         windowed: a sliding window hides some key (see :func:`kernel_window`).
         softcapped: the scores are soft-capped.
         flash_attn: whether the flash-attn package is there (default: importable in this process).
+        value_head_dim: the values' head size where it is not ``head_dim`` (multi-head latent attention, several
+            value heads per query head side by side), which the flash kernels do not take.
     """
+    other_values = value_head_dim is not None and value_head_dim != head_dim
     if device_type == "cpu":
-        return "explicit" if dropout_p > 0 or windowed or softcapped else "cpu-flash"
+        return "explicit" if dropout_p > 0 or windowed or softcapped or other_values else "cpu-flash"
     if device_type != "cuda":
         raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {device_type}")
-    if not flash_eligible(dtype, head_dim, capability):
+    if other_values or not flash_eligible(dtype, head_dim, capability):
         return "explicit" if windowed or softcapped else "cuda-efficient"
     if flash_attn if flash_attn is not None else flash_attn_package.flash_attn_interface() is not None:
         return "flash-attn"
@@ -137,8 +141,11 @@ def kernel_window(traits: AttentionTraits, length: int, causal: bool = True) -> 
     return window
 
 
-def backend_for(q: torch.Tensor, traits: AttentionTraits, causal: bool = True) -> str:
-    """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` with ``traits`` (:func:`select_backend`).
+def backend_for(
+    q: torch.Tensor, traits: AttentionTraits, causal: bool = True, value_head_dim: int | None = None
+) -> str:
+    """The kernel :func:`attention_forward` uses for ``q`` ``(B, h, S, D)`` with ``traits`` and values of head size
+    ``value_head_dim`` (default ``D``) (:func:`select_backend`).
 
     In a fake profile recorded for a CUDA target (:data:`~hf_memo.profiler.kernel_workspace.PROFILED_TARGET`), the
     target's choice: where it is a CUDA kernel, PyTorch's CPU flash op stands in for it (the same outputs; the
@@ -150,13 +157,14 @@ def backend_for(q: torch.Tensor, traits: AttentionTraits, causal: bool = True) -
     if target is not None and target.device == "cuda" and q.device.type == "cpu" and is_fake(q):
         chosen = select_backend(
             "cuda", q.dtype, q.shape[-1], traits.dropout_p, target.capability,
-            windowed=windowed, softcapped=softcapped, flash_attn=target.flash_attn,
+            windowed=windowed, softcapped=softcapped, flash_attn=target.flash_attn, value_head_dim=value_head_dim,
         )  # fmt: skip
         return "explicit" if chosen == "explicit" else "cpu-flash"
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     return select_backend(
-        q.device.type, q.dtype, q.shape[-1], traits.dropout_p, capability, windowed=windowed, softcapped=softcapped
-    )
+        q.device.type, q.dtype, q.shape[-1], traits.dropout_p, capability,
+        windowed=windowed, softcapped=softcapped, value_head_dim=value_head_dim,
+    )  # fmt: skip
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -191,7 +199,7 @@ def attention_forward(
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    backend = backend_for(q, traits, causal)
+    backend = backend_for(q, traits, causal, v.shape[-1])
     window = kernel_window(traits, q.shape[2], causal)
     if needs_kv_expansion(backend):
         groups = q.shape[1] // k.shape[1]
@@ -269,7 +277,7 @@ def attention_backward(
     """
     dtypes = (q.dtype, k.dtype, v.dtype)
     q, k, v, grad_out = (t.to(out.dtype) for t in (q, k, v, grad_out))
-    backend = backend_for(q, traits, causal)
+    backend = backend_for(q, traits, causal, v.shape[-1])
     window = kernel_window(traits, q.shape[2], causal)
     groups = q.shape[1] // k.shape[1] if needs_kv_expansion(backend) else 1
     k, v = expand_kv(k, groups), expand_kv(v, groups)

@@ -239,7 +239,7 @@ def block_backward(
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     kernel_traits = _kernel_traits(traits, k.shape[2])
-    backend = backend_for(q, kernel_traits)
+    backend = backend_for(q, kernel_traits, value_head_dim=v.shape[-1])
     dq = torch.empty_like(q, dtype=q_dtype)
     groups = q.shape[1] // k.shape[1]
     expands = _expands_kv_grads(q, k, v, backend)

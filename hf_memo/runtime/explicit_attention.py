@@ -120,10 +120,10 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, traits: AttentionTraits, causal: b
 def explicit_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits, seed: int = 0, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention ``out`` in ``q``'s layout and dtype, and ``lse`` ``(B, h, S)`` in fp32 (fp64 for fp64 inputs).
+    """Attention ``out`` ``(B, h, S, D_v)`` in ``q``'s dtype, and ``lse`` ``(B, h, S)`` in fp32 (fp64 for fp64 inputs).
 
     Args:
-        q: ``(B, h, S, D)``; k, v: ``(B, h_kv, S_k, D)``, ``h % h_kv == 0``, any strides.
+        q: ``(B, h, S, D)``; k: ``(B, h_kv, S_k, D)``, v: ``(B, h_kv, S_k, D_v)``, ``h % h_kv == 0``, any strides.
         traits: scale, dropout, window, soft-cap (no sinks).
         seed: the dropout mask's seed (:func:`~hf_memo.runtime.dropout_attention.draw_seed`), unused without dropout.
         causal: ``False``: every query attends to every key (no window), and ``S_k`` may differ from ``S``.
@@ -132,7 +132,7 @@ def explicit_forward(
     batch, heads, seq, _ = q.shape
     work = _compute_dtype(q.dtype)
     qw, kw, vw = q.to(work), k.to(work), v.to(work)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1]) if v.shape[-1] != q.shape[-1] else torch.empty_like(q)
     lse = torch.empty(batch, heads, seq, dtype=work, device=q.device)
     for start, stop in _blocks(q, k, traits, causal):
         block = _Block(qw, kw, start, stop, traits, seed, causal)

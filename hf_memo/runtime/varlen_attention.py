@@ -109,13 +109,15 @@ class PackedKernels:
         )
 
 
-def packed_kernels_for(q: torch.Tensor, layout: BatchLayout, traits: AttentionTraits) -> type[PackedKernels] | None:
-    """:class:`PackedKernels` where they serve ``q`` ``(B, h, S, D)`` with ``traits`` (CUDA, the flash kernel's dtypes
-    and head sizes, no soft-cap) and every block of ``layout`` is a causal sample (no padding attends), else
-    ``None``."""
+def packed_kernels_for(
+    q: torch.Tensor, v: torch.Tensor, layout: BatchLayout, traits: AttentionTraits
+) -> type[PackedKernels] | None:
+    """:class:`PackedKernels` where they serve ``q`` ``(B, h, S, D)`` and ``v`` with ``traits`` (CUDA, the flash
+    kernel's dtypes and head sizes, no soft-cap) and every block of ``layout`` is a causal sample (no padding attends),
+    else ``None``."""
     if layout.padding_attends or traits.softcap is not None:
         return None
-    flash = backend_for(q.to(compute_dtype(q)), traits) in ("cuda-flash", "flash-attn")
+    flash = backend_for(q.to(compute_dtype(q)), traits, value_head_dim=v.shape[-1]) in ("cuda-flash", "flash-attn")
     return PackedKernels if flash else None
 
 
@@ -151,8 +153,8 @@ class VarlenAttention:
             )
         return traits
 
-    def _kernels(self, q: torch.Tensor, traits: AttentionTraits) -> type[PackedKernels] | None:
-        return self.packed or packed_kernels_for(q, self.layout, traits)
+    def _kernels(self, q: torch.Tensor, v: torch.Tensor, traits: AttentionTraits) -> type[PackedKernels] | None:
+        return self.packed or packed_kernels_for(q, v, self.layout, traits)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, traits: AttentionTraits
@@ -160,7 +162,7 @@ class VarlenAttention:
         """Output ``(B, h, S, D)`` (zeros on padding that attends to nothing) and the statistics its
         :meth:`backward` needs."""
         traits = self._traits(traits)
-        kernels = self._kernels(q, traits)
+        kernels = self._kernels(q, v, traits)
         if kernels is not None:
             return self._packed_forward(kernels, q, k, v, traits)
         out = None
