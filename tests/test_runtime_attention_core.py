@@ -127,6 +127,9 @@ def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
     assert select_backend("cpu", torch.bfloat16, 64, dropout_p=0.1) == "explicit"
     assert select_backend("cuda", torch.bfloat16, 128, capability=(9, 0)) == "cuda-flash"
     assert select_backend("cuda", torch.float16, 64, dropout_p=0.1, capability=(8, 0)) == "cuda-flash"
+    # flash-attn refuses a soft-cap with dropout (Gemma-2 with attention dropout), PyTorch's kernels have no soft-cap
+    assert select_backend("cuda", torch.bfloat16, 128, 0.1, (9, 0), softcapped=True, flash_attn=True) == "explicit"
+    assert select_backend("cuda", torch.bfloat16, 128, 0.0, (9, 0), softcapped=True, flash_attn=True) == "flash-attn"
     assert select_backend("cuda", torch.float32, 128, capability=(9, 0)) == "cuda-efficient"
     assert select_backend("cuda", torch.bfloat16, 12, capability=(9, 0)) == "cuda-efficient"  # head size
     assert select_backend("cuda", torch.bfloat16, 512, capability=(9, 0)) == "cuda-efficient"

@@ -300,3 +300,20 @@ class _StubArena:
 
     def release(self, name):
         pass
+
+
+def test_a_tensor_on_another_device_than_the_stash_stays_out_of_it():
+    """A host scalar saved inside a CUDA layer must not reach the copy stream (``record_stream`` refuses host
+    tensors): tensors on another device than the stash's are saved as they are. The stash here is on the meta
+    device; the saved tensors are on the CPU."""
+    from hf_memo.runtime.stash import stash_hooks
+
+    stash, _ = _stash()
+    stash._engine = type("Engine", (), {"device": torch.device("meta")})()
+    x = torch.randn(3, requires_grad=True)
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    with stash_hooks(stash, [], stash_them=False):
+        y = (x * scale).sum()
+    assert stash.raw_nbytes == 0  # nothing stashed
+    y.backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))

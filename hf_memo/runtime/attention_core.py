@@ -121,6 +121,8 @@ def select_backend(
         raise ValueError(f"the memo attention core supports cpu and cuda tensors, got {device_type}")
     if other_values or not flash_eligible(dtype, head_dim, capability):
         return "explicit" if windowed or softcapped else "cuda-efficient"
+    if softcapped and dropout_p > 0:  # flash-attn refuses a soft-cap with dropout; PyTorch's kernels have no soft-cap
+        return "explicit"
     if flash_attn if flash_attn is not None else flash_attn_package.flash_attn_interface() is not None:
         return "flash-attn"
     return "explicit" if softcapped else "cuda-flash"

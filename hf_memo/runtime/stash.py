@@ -174,6 +174,11 @@ class LayerStash:
         self._view_fetches: dict[StashRef, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._freed = False
 
+    @property
+    def device(self) -> torch.device:
+        """The device the stash's tensors are on (and fetched back to)."""
+        return self._engine.device
+
     def add(self, tensor: torch.Tensor, read_in_views: bool = False) -> StashRef:
         """Keep ``tensor`` (its whole storage, once per storage) and return how to rebuild it. ``read_in_views``:
         the storage's views are rebuilt one at a time (not the storage whole), so a swapped stash fetches each
@@ -449,8 +454,9 @@ def stash_hooks(
     """Saved-tensor hooks that put into ``stash`` the saved tensors sharing a storage with ``tensors``
     (``stash_them=True``), or every saved tensor computed from the layer's input (``stash_them=False``:
     not those, nor tensors computed from ``tensors`` alone, such as autocast's weight casts, which are
-    the same for every token); the rest stay as they are. Views of ``recomputed`` are neither: they are
-    rebuilt from its value in backward.
+    the same for every token); the rest stay as they are, as do tensors on another device than the stash's
+    (a host scalar saved by a CUDA layer: no copy stream may record it). Views of ``recomputed`` are neither: they
+    are rebuilt from its value in backward.
 
     ``tensors`` must stay alive while the hooks are in use. The hooks hold no reference to them: the
     graph keeps its hooks, and a stashed tensor's device memory must be free to go once the stash
@@ -462,7 +468,9 @@ def stash_hooks(
     def pack(tensor: torch.Tensor):
         if recomputed is not None and recomputed.holds(tensor):
             return recomputed.pack(tensor)
-        if stash_them:
+        if tensor.device != stash.device:
+            stashed = False
+        elif stash_them:
             stashed = tensor.untyped_storage()._cdata in storages
         else:
             stashed = tensor.untyped_storage()._cdata not in storages and not _from_kept_only(tensor, storages, sizes)
