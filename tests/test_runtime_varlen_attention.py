@@ -232,3 +232,18 @@ def test_a_window_over_padding_that_attends_is_none_within_its_reach_and_refused
     assert torch.equal(windowed, plain)
     with pytest.raises(ValueError, match="sliding window of 6 tokens and padding with targets .* over 7 tokens"):
         VarlenAttention(layout).forward(q, k, v, AttentionTraits(0.3, window=6))
+
+
+def test_the_packed_path_builds_its_token_index_once_for_a_forward_and_its_backward(monkeypatch):
+    """The samples' token index and starts are built on the host once per layer call (not again in backward), so a
+    CUDA step copies them once, from pinned memory, without the host waiting."""
+    built = []
+    spans = BatchLayout.spans
+    monkeypatch.setattr(BatchLayout, "spans", lambda self, batch: built.append(batch) or spans(self, batch))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 13, 4, 8, dtype=torch.float64, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(2, 13, 2, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in "kv")
+    packed = VarlenAttention(BatchLayout(13, ROWS), packed=CountingCpuPackedKernels)
+    out, stats = packed.forward(q, k, v, TRAITS)
+    packed.backward(torch.ones_like(out), q, k, v, out, stats, TRAITS)
+    assert built == [2]

@@ -134,6 +134,7 @@ class VarlenAttention:
         :func:`packed_kernels_for` decides per call."""
         self.layout = layout
         self.packed = packed
+        self._indices: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def _traits(self, traits: AttentionTraits) -> AttentionTraits:
         """``traits`` for this layout's blocks: a window no query's reach exceeds is none.
@@ -220,13 +221,22 @@ class VarlenAttention:
 
     def _token_index(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``(index, cu, longest)``: the samples' tokens in ``(B * S)`` row-major order, their starts in the packed
-        tensor (int32 ``(samples + 1,)``), and the longest sample."""
-        spans = self.layout.spans(batch)
-        starts = [row * self.layout.length + start for row, (start, _) in spans]
-        lengths = [stop - start for _, (start, stop) in spans]
-        index = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)]) if spans else torch.zeros(0)
-        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return index.to(device=device, dtype=torch.long), cu.to(device), max(lengths, default=0)
+        tensor (int32 ``(samples + 1,)``), and the longest sample. Built once per batch size and device (every layer's
+        forward and backward of the step use them), on the host, and copied to a CUDA device from pinned memory
+        without making the host wait."""
+        key = (batch, device)
+        if key not in self._indices:
+            spans = self.layout.spans(batch)
+            starts = [row * self.layout.length + start for row, (start, _) in spans]
+            lengths = [stop - start for _, (start, stop) in spans]
+            index = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)]) if spans else torch.zeros(0)
+            cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            index = index.to(torch.long)
+            if device.type == "cuda":
+                index, cu = index.pin_memory(), cu.pin_memory()
+            index, cu = (t.to(device, non_blocking=True) for t in (index, cu))
+            self._indices[key] = index, cu, max(lengths, default=0)
+        return self._indices[key]
 
     def _packed_forward(
         self,
