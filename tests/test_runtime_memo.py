@@ -603,3 +603,35 @@ def test_gradients_to_come_count_this_ranks_partition_of_a_zero3_parameter():
     frozen = torch.nn.Parameter(torch.zeros(100), requires_grad=False)
     runtime = MemoRuntime(MemoConfig(recompute="memo"), 1, parameters=lambda: [whole, partitioned, frozen])
     assert runtime._gradients_to_come(torch.device("cpu")) == (6 + 10) * 4
+
+
+def _agree_worker(rank, world):
+    from hf_memo.runtime.calibration import LayerBytes
+    from hf_memo.runtime.memo import StepMeasurements, _agreed
+
+    measured = StepMeasurements(
+        num_layers=4,
+        tokens=64,
+        chunks=4,
+        per_token=LayerBytes(1.0, 2.0, 3.0),
+        layer_seconds=1e-3 * (rank + 1),
+        attention_seconds=1e-4,
+        bandwidth=1e9 / (rank + 1),
+        host_budget=1e9,
+        device_budget=1e8 + rank,
+        requested_alpha=None,
+        device_limit=[2_000_000_000, 1_500_000_000][rank],  # NCCL buffers, context: every rank its own
+        device_in_use=[300_000_000, 350_000_000][rank],
+    )
+    return _agreed(measured, torch.distributed.group.WORLD, torch.device("cpu"))
+
+
+def test_sequence_parallel_ranks_size_their_policy_with_one_limit_and_one_memory_in_use():
+    """The sizer re-solves with the device limit and the memory in use: ranks that differ there would size other
+    policies and make other all-to-alls. Agreed: the lowest limit, the most memory in use, as every other input."""
+    from tests.multiprocess import run_processes
+
+    first, second = run_processes(_agree_worker, 2)
+    assert first == second
+    assert first.device_limit == 1_500_000_000 and first.device_in_use == 350_000_000
+    assert first.layer_seconds == 2e-3 and first.bandwidth == 5e8 and first.device_budget == 1e8

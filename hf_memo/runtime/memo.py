@@ -595,16 +595,19 @@ class MemoRuntime:
 
 def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.device) -> StepMeasurements:
     """``measured`` made the same on every rank of a sequence-parallel ``group``: the slowest layer and attention
-    times, the lowest bandwidth and budgets. Every rank then solves the same policy, as it must: a layer keeping
-    ``X`` only runs attention's all-to-alls again in backward, on all ranks or none."""
+    times, the lowest bandwidth, budgets and device limit, the most device memory in use. Every rank then solves and
+    sizes the same policy, as it must: a layer keeping ``X`` only runs attention's all-to-alls again in backward, on
+    all ranks or none (a rank sizing with its own limit or memory in use, which NCCL's buffers or ZeRO's remainders
+    make differ, could keep other layers and wait on an all-to-all the others never make)."""
+    limit = math.inf if measured.device_limit is None else float(measured.device_limit)
     values = torch.tensor(
         [-measured.layer_seconds, -measured.attention_seconds, measured.bandwidth]
-        + [measured.device_budget, measured.host_budget],
+        + [measured.device_budget, measured.host_budget, limit, -float(measured.device_in_use)],
         dtype=torch.float64,
         device=device,
     )
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    layer, attention, bandwidth, device_budget, host_budget = values.tolist()
+    layer, attention, bandwidth, device_budget, host_budget, limit, in_use = values.tolist()
     return replace(
         measured,
         layer_seconds=-layer,
@@ -612,6 +615,8 @@ def _agreed(measured: StepMeasurements, group: dist.ProcessGroup, device: torch.
         bandwidth=bandwidth,
         device_budget=device_budget,
         host_budget=host_budget,
+        device_limit=None if math.isinf(limit) else int(limit),
+        device_in_use=int(-in_use),
     )
 
 
