@@ -1,8 +1,11 @@
 """The estimator's on-disk cache of fits: a cached answer is the cold one, a changed key misses, writers at once
 leave one whole entry."""
 
+import json
 import multiprocessing
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -52,7 +55,7 @@ def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(tmp_path, config_p
     question = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, modes=["vanilla", "minseq", "memo"], progress=False)
     cold = estimate(config_path, 4096, cache=cache, workers=1, **question)
     assert fresh_process and sum(fresh_process) >= 4 + 6 + 10  # every mode was profiled
-    assert len(list(tmp_path.glob("*.pkl"))) == 4  # three modes' fits and the model states
+    assert len(list(tmp_path.glob("*.pkl"))) == 5  # three modes' fits, the model states and the model
     monkeypatch.setattr(estimate_module, "_CLOSED_FORMS", {})  # a new run
     _no_profiles(monkeypatch)
     fresh_process.clear()
@@ -147,3 +150,22 @@ def test_writers_at_once_leave_one_whole_entry_and_readers_never_see_half_of_one
     assert final is not None and (final == final[0]).all() and 1 <= final[0] <= 4
     assert [path.name for path in tmp_path.iterdir()] == [cache.path(key).name]  # no temporary file left behind
     assert os.stat(cache.path(key)).st_size > 4 * MiB
+
+
+def test_a_cached_answer_reads_neither_transformers_nor_the_model_code(tmp_path, config_path):
+    """What makes a repeated question fast: the command answers from the cache having imported PyTorch and NumPy
+    (the memo runtime's package needs PyTorch), not Transformers, PEFT, hf_memo's patches or fake tensors' models."""
+    script = (
+        "import sys; from hf_memo.integrations import cli; "
+        f"code = cli.main(['estimate', '--model', {config_path!r}, '--seq-len', '4k', '--gpu-memory', '24MiB', "
+        "'--reserve', '0GiB', '--modes', 'vanilla,memo', '--json']); "
+        "heavy = [m for m in ('transformers', 'peft', 'hf_memo.patches', 'hf_memo.profiler.fake_model') "
+        "if m in sys.modules]; print('HEAVY', heavy, file=sys.stderr); sys.exit(code)"
+    )
+    env = {**os.environ, "HF_MEMO_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert "HEAVY []" not in runs[0].stderr  # the first run fits (and so reads the config and builds fake models)
+    assert "HEAVY []" in runs[1].stderr
+    assert json.loads(runs[0].stdout)["modes"] == json.loads(runs[1].stdout)["modes"]

@@ -33,15 +33,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-from torch import nn
-from transformers import PretrainedConfig
 
 from hf_memo.parallel.heads import HeadSplit
 from hf_memo.profiler.analysis import Peak
-from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.trace import CATEGORIES
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
 
 ZERO_STAGES = (0, 1, 2, 3)
 GiB = 1 << 30
@@ -177,6 +179,8 @@ class ModelStates:
     def of(cls, model: nn.Module, num_layers: int, optimizer: bool, persistence_threshold: int) -> ModelStates:
         """The states of ``model`` with ``num_layers`` decoder layers, from a (fake) copy with fewer: its extra layers
         are the first one's. ``model`` is a ``*ForCausalLM`` or a PEFT model around one."""
+        from hf_memo.profiler.phases import decoder_layers
+
         layer = decoder_layers(model)[0]
         extra = num_layers - len(decoder_layers(model))
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -15,19 +15,19 @@ the GPU's peak plus the host copies compute cannot hide.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig
 
 from hf_memo.integrations.cluster import (
     DEVICE_RESERVE,
@@ -45,7 +45,7 @@ from hf_memo.integrations.cluster import (
     rank_states,
 )
 from hf_memo.integrations.fit_cache import CACHE_ENV, FitCache, cache_dir
-from hf_memo.integrations.fitted import BASE_CHUNKS, FittedFootprint, ProfilePlan
+from hf_memo.integrations.fitted import BASE_CHUNKS, ConfigFacts, FittedFootprint, ProfilePlan
 from hf_memo.integrations.memo_estimate import (
     DEFAULT_GPU,
     GPUS,
@@ -79,7 +79,6 @@ from hf_memo.integrations.setups import (
 from hf_memo.parallel.heads import check_head_counts
 from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.profiler.analysis import Peak
-from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS, Footprint, StepProfiler
 from hf_memo.profiler.plot import plot_timelines
 from hf_memo.profiler.search import longest_fitting
@@ -88,6 +87,11 @@ from hf_memo.profiler.step import OPTIMIZERS
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.profiler.workers import run_side_by_side, usable_cpus
 from hf_memo.units import format_bytes, parse_bytes, parse_tokens
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from hf_memo.profiler.fake_model import FakeSession
 
 SCAN = 0.02  # past the bisection's answer, lengths up to this fraction longer are checked too (chunk rows vary)
 SEARCH_LIMIT = 1 << 24  # the longest sequence searched for, in tokens, unless the model's learned positions stop sooner
@@ -353,8 +357,7 @@ class _Job:
 
     def __init__(
         self,
-        config: Any,
-        name: str,
+        model: ResolvedModel,
         dtype: torch.dtype,
         batch_size: int,
         optimizer: str,
@@ -369,7 +372,7 @@ class _Job:
     ) -> None:
         self.lora = lora
         self.cache = cache or FitCache(enabled=False)
-        self.config, self.name, self.dtype, self.batch_size = config, name, dtype, batch_size
+        self.model, self.name, self.dtype, self.batch_size = model, model.name, dtype, batch_size
         self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
         self.workers: int | None = None  # processes profiles run in (closed_forms sets it)
@@ -383,7 +386,7 @@ class _Job:
         k = self.cluster.sequence_parallel if mode == "memo" else 1
         return (
             "fit",
-            self.config.to_json_string(),
+            self.model.digest,
             mode,
             self.trainable,
             self.lora,
@@ -393,6 +396,11 @@ class _Job:
             self.search_limit,
             k,
         )
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The model's Transformers config (read when a profile needs it: a cached fit does not)."""
+        return self.model.config()
 
     def profiler(self, mode: str, configure: Callable[[nn.Module], None], sequence_parallel: int = 1) -> StepProfiler:
         """A fresh-model profiler of ``mode`` whose model ``configure`` sets up (after LoRA, if asked); with
@@ -482,8 +490,8 @@ class _Job:
     def states(self) -> ModelStates:
         """The whole model's parameter counts (see :func:`model_states`)."""
         if self._states is None:
-            self._states = model_states(
-                self.config, self.dtype, self.trainable, self.optimizer, self.cluster, self.lora, self.cache
+            self._states = _model_states(
+                self.model, self.dtype, self.trainable, self.optimizer, self.cluster, self.lora, self.cache
             )
         return self._states
 
@@ -496,7 +504,9 @@ class _Job:
             if self.cluster.num_gpus == 1 and self.cluster.zero == 0:
                 return device, 0
             a2a = (
-                all_to_all_bytes(self.config, self.cluster, self.batch_size, rank_seq_len, element) if all_to_all else 0
+                all_to_all_bytes(self.model.facts, self.cluster, self.batch_size, rank_seq_len, element)
+                if all_to_all
+                else 0
             )
             return rank_peak(device, self.states(), self.cluster, a2a, restated=True)
 
@@ -709,37 +719,34 @@ def estimate(
             ``$HF_MEMO_CACHE_DIR`` or the user's cache directory), or a :class:`FitCache` to use; ``False`` fits
             everything again (closed forms fitted before in this process are still reused). The answer is the same.
     """
-    name, config = config_of(model_or_config)
+    choice("trainable", trainable, TRAINABLE)
+    fit_cache = cache if isinstance(cache, FitCache) else FitCache(enabled=bool(cache))
+    model = resolve_model(model_or_config, trainable, lora_rank, lora_targets, trainable_modules, fit_cache)
+    name, facts, lora, search_limit = model.name, model.facts, model.lora, model.search_limit
     seq_len = parse_tokens(seq_len)
     gpu_bytes = parse_bytes(gpu_memory)
     host_bytes = None if host_memory is None else parse_bytes(host_memory)
     pinned_bytes = None if pinned_memory is None else parse_bytes(pinned_memory)
     cluster = cluster or Cluster()
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    check_head_counts(cluster.sequence_parallel, heads, kv_heads, "sequence_parallel")
+    check_head_counts(
+        cluster.sequence_parallel, facts.num_attention_heads, facts.num_key_value_heads, "sequence_parallel"
+    )
     if gpu_bytes <= 0:
         raise ValueError(f"gpu_memory must be positive, got {gpu_memory!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    choice("trainable", trainable, TRAINABLE)
-    lora = lora_of(trainable, lora_rank, lora_targets, trainable_modules, config.model_type)
     choice("optimizer", optimizer, OPTIMIZERS)
     if not modes:
         raise ValueError(f"modes must name at least one of {', '.join(MODES)}")
     for mode in modes:
         choice("mode", mode, list(MODES))
-    limit_field = POSITION_LIMITS.get(config.model_type)
-    search_limit = getattr(config, limit_field) if limit_field else SEARCH_LIMIT
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
     spec = gpu_of(gpu)
     reserve_bytes = 0 if reserve is None else parse_bytes(reserve)
     host_reserve_bytes = 0 if host_reserve is None else parse_bytes(host_reserve)
-    fit_cache = cache if isinstance(cache, FitCache) else FitCache(enabled=bool(cache))
-    states = model_states(config, dtype, trainable, optimizer, cluster, lora, fit_cache)
+    states = _model_states(model, dtype, trainable, optimizer, cluster, lora, fit_cache)
     ranked = rank_states(states, cluster) if cluster.zero else None
     budget = rank_budget(gpu_bytes, host_bytes, pinned_bytes, reserve_bytes, host_reserve_bytes, cluster, ranked)
     bar = tqdm(desc="profiling", unit="step", disable=not progress, leave=False)
@@ -747,8 +754,7 @@ def estimate(
     traces: dict[str, AllocationTrace] = {}
     try:
         job = _Job(
-            config,
-            name,
+            model,
             dtype,
             batch_size,
             optimizer,
@@ -776,7 +782,7 @@ def estimate(
                 traces[mode] = profiler.trace(cluster.rank_seq_len(seq_len))
     finally:
         bar.close()
-    layers = config.get_text_config().num_hidden_layers
+    layers = facts.num_hidden_layers
     return Estimate(
         name,
         layers,
@@ -830,6 +836,82 @@ def _names(names: str | Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(name.strip() for name in names if name.strip())
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model of a question as the estimate uses it: its name, what a fit reads of its config, the SHA-256 of
+    the config's JSON (what fits are keyed by), what LoRA trains and the longest length its positions allow.
+    ``config()`` reads the Transformers config itself, which only profiling needs."""
+
+    name: str
+    facts: ConfigFacts
+    digest: str
+    lora: Lora | None
+    search_limit: int
+    config: Callable[[], PretrainedConfig] = field(compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("name", "facts", "digest", "lora", "search_limit")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in {**state, "config": _unreadable}.items():
+            object.__setattr__(self, name, value)
+
+
+def _unreadable() -> PretrainedConfig:
+    raise RuntimeError("a model read from the cache is bound to its loader by resolve_model")
+
+
+def _model_source(model: str) -> tuple | None:
+    """What a model given by name is, without reading it: a built-in name (its config is hf_memo's code), or a local
+    ``config.json`` (its path and contents); ``None`` for a Hub id (read through Transformers every time)."""
+    if model in SHAPE_NAMES:
+        return ("builtin", model)
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if path.is_file():
+        return ("file", str(path.resolve()), hashlib.sha256(path.read_bytes()).hexdigest())
+    return None
+
+
+def resolve_model(
+    model_or_config: str | PretrainedConfig | nn.Module,
+    trainable: str,
+    lora_rank: int | None,
+    lora_targets: str | Sequence[str] | None,
+    trainable_modules: str | Sequence[str] | None,
+    cache: FitCache | None = None,
+) -> ResolvedModel:
+    """The model of a question (see :class:`ResolvedModel`); a built-in name or a local ``config.json`` asked about
+    before is read from ``cache``, without importing Transformers or PEFT (PEFT names LoRA's default targets)."""
+    cache = cache or FitCache(enabled=False)
+    source = _model_source(model_or_config) if isinstance(model_or_config, str) else None
+    loaded: list[PretrainedConfig] = []
+
+    def config() -> PretrainedConfig:
+        if not loaded:
+            loaded.append(config_of(model_or_config)[1])
+        return loaded[0]
+
+    key = None
+    if source is not None:
+        flags = (trainable, lora_rank, _names(lora_targets), _names(trainable_modules))
+        key = cache.key(("model", source, flags))
+        found = cache.load(key)
+        if isinstance(found, ResolvedModel):
+            object.__setattr__(found, "config", config)
+            return found
+    name, real = config_of(model_or_config)
+    loaded.append(real)
+    lora = lora_of(trainable, lora_rank, lora_targets, trainable_modules, real.model_type)
+    limit_field = POSITION_LIMITS.get(real.model_type)
+    search_limit = getattr(real, limit_field) if limit_field else SEARCH_LIMIT
+    digest = hashlib.sha256(real.to_json_string().encode()).hexdigest()
+    model = ResolvedModel(name, ConfigFacts.of(real), digest, lora, search_limit, config)
+    if key is not None:
+        cache.store(key, model)
+    return model
+
+
 def model_states(
     config: Any,
     dtype: torch.dtype,
@@ -842,19 +924,34 @@ def model_states(
     """The whole model's parameter counts, from a fake copy of the trained model (LoRA applied as ``lora`` says, by
     default PEFT's default targets at rank 8) with fewer layers; kept in ``cache`` (and in this process) with the
     closed forms."""
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()
+    model = ResolvedModel("", ConfigFacts.of(config), digest, lora, SEARCH_LIMIT, lambda: config)
+    return _model_states(model, dtype, trainable, optimizer, cluster, lora, cache)
+
+
+def _model_states(
+    model: ResolvedModel,
+    dtype: torch.dtype,
+    trainable: str,
+    optimizer: str,
+    cluster: Cluster,
+    lora: Lora | None,
+    cache: FitCache | None,
+) -> ModelStates:
+    """:func:`model_states` of a resolved model."""
     threshold = cluster.deepspeed.param_persistence_threshold
-    key = ("states", config.to_json_string(), str(dtype), trainable, optimizer, lora, threshold)
+    key = ("states", model.digest, str(dtype), trainable, optimizer, lora, threshold)
     cache = cache or FitCache(enabled=False)
     if key not in _CLOSED_FORMS:
         states = cache.load(cache.key(key))
         if states is None:
 
-            def prepare(model: nn.Module, session: FakeSession) -> nn.Module:
-                return with_lora(model, session, lora) if trainable == "lora" else model
+            def prepare(fake: nn.Module, session: FakeSession) -> nn.Module:
+                return with_lora(fake, session, lora) if trainable == "lora" else fake
 
-            model = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
-            layers = config.get_text_config().num_hidden_layers
-            states = ModelStates.of(model, layers, optimizer == "adamw", threshold)
+            config = model.config()
+            fake = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
+            states = ModelStates.of(fake, model.facts.num_hidden_layers, optimizer == "adamw", threshold)
             cache.store(cache.key(key), states)
         _CLOSED_FORMS[key] = states
     return _CLOSED_FORMS[key]

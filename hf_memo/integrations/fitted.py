@@ -18,34 +18,74 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from hf_memo.config import MemoConfig
 from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
 from hf_memo.minseq.chunking import resolve_chunks
-from hf_memo.patches.structure import mlp_width
 from hf_memo.profiler.closed_form import ClosedForm, Restate, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler
 from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
 from hf_memo.runtime.buckets import stretch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PROFILE_SEQ_LEN = 24576  # the longer of the two profiled lengths (the shorter is half); capped by learned positions
 BASE_CHUNKS = (2, 2)  # chunk counts of the profiles: few (profiles are fast), more than one (the chunked code path)
 MORE_CHUNKS = 3  # the two other profiles: 3 MLP chunks, then 3 LM-head chunks (24,576 = 3 x 8,192 rows)
 
 
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What a fitted closed form reads of its model's (text) config: the sizes that set chunk rows, attention's
+    shapes and the layers. A fit holds these instead of the Transformers config, so a fit read back from the cache
+    answers without importing Transformers or the model code; it answers ``get_text_config()`` with itself."""
+
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None  # None: hidden_size / num_attention_heads
+    mlp_width: int  # the MLP's inner width, as hf_memo's mini-sequence MLP finds it
+
+    @classmethod
+    def of(cls, config: PretrainedConfig | ConfigFacts) -> ConfigFacts:
+        """The facts of ``config`` (a Transformers config, or facts already)."""
+        if isinstance(config, ConfigFacts):
+            return config
+        from hf_memo.patches.structure import mlp_width
+
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        return cls(
+            config.model_type,
+            text.num_hidden_layers,
+            text.hidden_size,
+            text.vocab_size,
+            heads,
+            getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None),
+            mlp_width(text),
+        )
+
+    def get_text_config(self) -> ConfigFacts:
+        return self
+
+
 def chunk_rows(
-    config: PretrainedConfig, chunking: str, batch_size: int, seq_len: int, chunks: Chunks = AUTO_CHUNKS
+    config: PretrainedConfig | ConfigFacts, chunking: str, batch_size: int, seq_len: int, chunks: Chunks = AUTO_CHUNKS
 ) -> tuple[int, int]:
     """Tokens in the largest MLP chunk and LM-head chunk of a ``(batch_size, seq_len)`` step, as the runtime cuts.
 
     ``chunking`` is ``"tokens"`` (the mini-sequence MLP: all ``B * S`` rows) or ``"memo"`` (the memo executor:
     each sequence's ``S`` positions, ``B`` rows per position); the LM head always cuts the ``B * S`` rows.
     """
-    text = config.get_text_config()
+    text = ConfigFacts.of(config)
     hidden, defaults = text.hidden_size, MemoConfig()
-    width = mlp_width(text)
+    width = text.mlp_width
     tokens = batch_size * seq_len
     min_tokens, max_elements = defaults.min_chunk_tokens, defaults.max_chunk_elements
     head = resolve_chunks(chunks[1], tokens, text.vocab_size, hidden, min_tokens, max_elements)
@@ -120,7 +160,7 @@ class FittedFootprint:
         traces: Sequence[AllocationTrace] | None = None,
     ) -> None:
         base = profiler_for(BASE_CHUNKS)
-        self.config, self.layers, self.batch_size = base.config, base.layers, base.batch_size
+        self.config, self.layers, self.batch_size = ConfigFacts.of(base.config), base.layers, base.batch_size
         self.chunking = chunking
         plan = ProfilePlan.of(base, chunking, max_seq_len)
         self.depths, self.seq_lens = plan.depths, plan.seq_lens

@@ -20,12 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-from transformers import PretrainedConfig
-
-from hf_memo.integrations.fitted import BASE_CHUNKS, ProfilePlan, chunk_rows, trace_at
+from hf_memo.integrations.fitted import BASE_CHUNKS, ConfigFacts, ProfilePlan, chunk_rows, trace_at
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
 from hf_memo.integrations.setups import Chunks
 from hf_memo.parallel.heads import HeadSplit
@@ -34,9 +31,12 @@ from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_m
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.closed_form import Restate
 from hf_memo.profiler.footprint import StepProfiler
-from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import bucket_length
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
 
 # The finest alpha grid the estimator solves on: coarser than the runtime's 1/16, so that the profiles of a chosen
 # policy cut at most 8 MLP chunks (16 in the fit's second profile) and take seconds; the policy is a little slower
@@ -83,6 +83,8 @@ class LayerFlops:
     @classmethod
     def of(cls, model: nn.Module) -> LayerFlops:
         """Counts of the first decoder layer of ``model`` (a ``*ForCausalLM`` or a PEFT model around one)."""
+        from hf_memo.profiler.phases import decoder_layers
+
         layer = decoder_layers(model)[0]
         weights = [p for p in layer.parameters() if p.dim() >= 2]
         text = (model.config if hasattr(model, "config") else model.get_base_model().config).get_text_config()
@@ -262,7 +264,7 @@ class MemoModel:
         if len(traces) != 2 + len(fit_points(SMALLEST_KINDS, max_seq_len)):
             raise ValueError(f"MemoModel.jobs gives 2 + the smallest policies' profiles, got {len(traces)} traces")
         alpha_zero, alpha_one, *smallest_traces = traces
-        self.config, self.layers = base.config, base.layers
+        self.config, self.layers = ConfigFacts.of(base.config), base.layers
         if self.layers < 3:
             raise ValueError(f"the memo mode's estimate needs a model of at least 3 layers, got {self.layers}")
         self.batch_size = self._batch_size = batch_size

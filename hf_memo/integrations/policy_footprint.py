@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PretrainedConfig
 
-from hf_memo.integrations.fitted import PROFILE_SEQ_LEN, chunk_rows, sized_for_bucket
+from hf_memo.integrations.fitted import PROFILE_SEQ_LEN, ConfigFacts, chunk_rows, sized_for_bucket
 from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.analysis import Peak
@@ -34,6 +34,9 @@ from hf_memo.profiler.closed_form import ClosedForm, Restate
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import stretch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FIT_COUNT = 3  # layers per block in the base profiles (the copy buffers are all in use from the third)
 ALPHA_DENOMINATOR = 64  # alphas are fractions j / d with d at most this (the solvers' grids: 1/16 at the finest)
@@ -178,7 +181,7 @@ class PolicyFootprint:
     def __init__(
         self,
         kinds: tuple[LayerPolicy, ...],
-        config: PretrainedConfig,
+        config: PretrainedConfig | ConfigFacts,
         batch_size: int,
         traces: Sequence[AllocationTrace],
         max_seq_len: int = 1 << 24,
@@ -186,7 +189,7 @@ class PolicyFootprint:
         points = fit_points(kinds, max_seq_len)
         if len(traces) != len(points):
             raise ValueError(f"the fit has {len(points)} profiles, got {len(traces)} traces")
-        self.kinds, self.config, self.batch_size = kinds, config, batch_size
+        self.kinds, self.config, self.batch_size = kinds, ConfigFacts.of(config), batch_size
         self.profiles = len(points)
         samples = [
             (self.size(PolicyShape(kinds, counts), seq_len, chunks), trace)

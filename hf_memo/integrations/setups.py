@@ -9,17 +9,36 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
-from hf_memo.patches.apply import apply, causal_lm_of, memo_runtime
 from hf_memo.planner.policy import MemoryPolicy
-from hf_memo.profiler.fake_model import FakeSession
 from hf_memo.profiler.footprint import PROFILE_LAYERS
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from hf_memo.profiler.fake_model import FakeSession
+
+
+# hf_memo's patches (and the model code behind them) load when a mode configures its first model: an answer read
+# off cached closed forms needs none of them.
+def apply(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """:func:`hf_memo.apply`, imported on first use."""
+    from hf_memo.patches.apply import apply as patch
+
+    patch(model, *args, **kwargs)
+
+
+def memo_runtime(model: nn.Module) -> Any:
+    """:func:`hf_memo.memo_runtime`, imported on first use."""
+    from hf_memo.patches.apply import memo_runtime as runtime
+
+    return runtime(model)
+
 
 Chunks = tuple[int | str, int | str]  # (mlp_chunks, lm_head_chunks) settings of MemoConfig
 AUTO_CHUNKS: Chunks = ("auto", "auto")
@@ -133,11 +152,17 @@ POSITION_LIMITS = {"gpt2": "n_positions"}
 
 
 def config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str, PretrainedConfig]:
+    """``(name, config)`` of a built-in name, a ``config.json`` path, a Hub id, a config or a model (its causal LM's
+    config); ``ValueError`` unless it is a decoder-only causal LM."""
+    from transformers import PretrainedConfig
+
     if isinstance(model_or_config, str):
         return model_or_config, load_config(model_or_config)
     if isinstance(model_or_config, PretrainedConfig):
         config = model_or_config
     elif isinstance(model_or_config, nn.Module):
+        from hf_memo.patches.apply import causal_lm_of
+
         config = causal_lm_of(model_or_config).config
     else:
         raise ValueError(

@@ -14,9 +14,12 @@ together, and the LP relaxation of big-M constraints is weak.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+
+if TYPE_CHECKING:
+    from scipy.sparse import coo_matrix
 
 from hf_memo.planner.exact import ExactResult, SolverUnavailable
 
@@ -53,6 +56,8 @@ def _big_m_rows(size: np.ndarray, pairs: np.ndarray, upper: int) -> tuple[coo_ma
         cols += [j, i, z]
         vals += [1, -1, upper]
         rhs.append(upper - size[j])
+    from scipy.sparse import coo_matrix  # SciPy on first use: importing the planner does not load it
+
     matrix = coo_matrix((vals, (rows, cols)), shape=(n + 2 * m, n + 1 + m))
     return matrix, np.array(rhs, dtype=float)
 
@@ -61,6 +66,8 @@ def milp_offsets(
     start: np.ndarray, end: np.ndarray, size: np.ndarray, hint: np.ndarray, floor: int, time_limit: float
 ) -> ExactResult:
     """The big-M model solved by HiGHS through ``scipy.optimize.milp`` (``hint`` only sets ``M``)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     upper = int((hint + size).max())
     floor = min(int(floor), upper)
     n = len(size)

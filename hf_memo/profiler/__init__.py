@@ -1,11 +1,38 @@
-"""Profiling without GPU memory: fake-tensor models, allocation traces, peaks and their extrapolation."""
+"""Profiling without GPU memory: fake-tensor models, allocation traces, peaks and their extrapolation.
 
-from hf_memo.profiler.analysis import Peak, check_identical_layers, layer_trace, peak
-from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
-from hf_memo.profiler.footprint import Footprint, StepProfiler
-from hf_memo.profiler.memtracker import PeakBreakdown, peak_of, training_step_peak
-from hf_memo.profiler.step import trace_training_step
-from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
+The public names are imported on first use (PEP 562): a closed form read back from the estimator's cache is
+evaluated without importing the fake-tensor machinery and the model code behind it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hf_memo.profiler.analysis import Peak, check_identical_layers, layer_trace, peak
+    from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
+    from hf_memo.profiler.footprint import Footprint, StepProfiler
+    from hf_memo.profiler.memtracker import PeakBreakdown, peak_of, training_step_peak
+    from hf_memo.profiler.step import trace_training_step
+    from hf_memo.profiler.trace import AllocationEvent, AllocationTrace
+
+_PUBLIC = {  # name -> the module it comes from
+    "Peak": "hf_memo.profiler.analysis",
+    "check_identical_layers": "hf_memo.profiler.analysis",
+    "layer_trace": "hf_memo.profiler.analysis",
+    "peak": "hf_memo.profiler.analysis",
+    "FakeSession": "hf_memo.profiler.fake_model",
+    "fake_causal_lm": "hf_memo.profiler.fake_model",
+    "Footprint": "hf_memo.profiler.footprint",
+    "StepProfiler": "hf_memo.profiler.footprint",
+    "PeakBreakdown": "hf_memo.profiler.memtracker",
+    "peak_of": "hf_memo.profiler.memtracker",
+    "training_step_peak": "hf_memo.profiler.memtracker",
+    "trace_training_step": "hf_memo.profiler.step",
+    "AllocationEvent": "hf_memo.profiler.trace",
+    "AllocationTrace": "hf_memo.profiler.trace",
+}
 
 __all__ = [
     "AllocationEvent",
@@ -23,3 +50,12 @@ __all__ = [
     "trace_training_step",
     "training_step_peak",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

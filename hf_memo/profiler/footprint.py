@@ -12,19 +12,20 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.extrapolate import extrapolated_peak
-from hf_memo.profiler.fake_model import FakeSession, fake_causal_lm
-from hf_memo.profiler.fake_world import fake_world
-from hf_memo.profiler.kernel_workspace import KernelTarget
-from hf_memo.profiler.step import trace_training_step
 from hf_memo.profiler.trace import AllocationTrace
+
+if TYPE_CHECKING:  # the fake-tensor machinery and the model code load when a profiler builds its first model
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    from hf_memo.profiler.fake_model import FakeSession
+    from hf_memo.profiler.kernel_workspace import KernelTarget
 
 PROFILE_LAYERS = (2, 3)
 
@@ -105,6 +106,8 @@ class StepProfiler:
         return self._model(layers)[0]
 
     def _model(self, layers: int) -> tuple[nn.Module, FakeSession]:
+        from hf_memo.profiler.fake_world import fake_world
+
         if layers not in self._models:
             with fake_world(self.sequence_parallel):
                 self._build(layers)
@@ -112,6 +115,8 @@ class StepProfiler:
 
     def _build(self, layers: int) -> tuple[nn.Module, FakeSession]:
         """The prepared model of ``layers`` (built here, in this process's process group, if not built yet)."""
+        from hf_memo.profiler.fake_model import fake_causal_lm
+
         if layers not in self._models:
             model, session = fake_causal_lm(with_layers(self.config, layers), self._dtype)
             with session:
@@ -122,6 +127,9 @@ class StepProfiler:
     def trace(self, seq_len: int, layers: int | None = None) -> AllocationTrace:
         """The allocation trace of one step on ``(batch_size, seq_len)`` tokens (each rank's), with ``layers``
         (default all)."""
+        from hf_memo.profiler.fake_world import fake_world
+        from hf_memo.profiler.step import trace_training_step
+
         layers = self.layers if layers is None else layers
         k = self.sequence_parallel
         fresh = self._fresh or k > 1  # a model is bound to the (fake) process group it was prepared in

@@ -14,15 +14,34 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import huggingface_hub
-from transformers import CONFIG_MAPPING, AutoConfig, LlamaConfig, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+if TYPE_CHECKING:  # Transformers loads when a config is built or read, not when the shapes' names are
+    from transformers import LlamaConfig, PretrainedConfig
+
+
+class _ConfigMapping:
+    """Transformers' ``CONFIG_MAPPING`` (model type -> config class), imported on first use."""
+
+    def __getitem__(self, model_type: str) -> Any:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]
+
+    def __contains__(self, model_type: object) -> bool:
+        from transformers import CONFIG_MAPPING
+
+        return model_type in CONFIG_MAPPING
+
+
+CONFIG_MAPPING = _ConfigMapping()
 
 
 def _llama(
     layers: int, hidden: int, heads: int, intermediate: int, kv_heads: int | None = None, **extra: object
 ) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         num_hidden_layers=layers,
         hidden_size=hidden,
@@ -113,6 +132,11 @@ def builtin_config(name: str) -> PretrainedConfig:
 
 def check_decoder_lm(config: PretrainedConfig, source: str) -> PretrainedConfig:
     """``config`` if it describes a decoder-only causal LM, else ``ValueError`` naming ``source``."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
     model_type = getattr(config, "model_type", None)
     encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or config.is_encoder_decoder or encoder:
@@ -139,6 +163,8 @@ def load_config(name_or_path: str) -> PretrainedConfig:
 
 def _file_config(path: Path) -> PretrainedConfig:
     """The config in the ``config.json`` file ``path`` (or the folder ``path`` holding one)."""
+    from transformers import AutoConfig
+
     file = path / "config.json" if path.is_dir() else path
     try:
         record = json.loads(file.read_text())
@@ -171,6 +197,9 @@ def hub_config(repo_id: str) -> PretrainedConfig:
 
 
 def _cached_or_downloaded(repo_id: str) -> PretrainedConfig:
+    import huggingface_hub
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(repo_id, local_files_only=True)
     except OSError:
@@ -181,6 +210,8 @@ def _cached_or_downloaded(repo_id: str) -> PretrainedConfig:
 
 def _unavailable(repo_id: str, error: OSError) -> str:
     """Why the config of ``repo_id`` could not be had, and what to do, in one line."""
+    import huggingface_hub
+
     cache = huggingface_hub.constants.HF_HUB_CACHE
     where = f"{repo_id} is not a file here, nor a model in the local Hugging Face cache ({cache})"
     if huggingface_hub.is_offline_mode():

@@ -12,15 +12,17 @@ attention kernels' workspace the trace then includes (:mod:`hf_memo.profiler.ker
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from hf_memo.profiler.allocations import AllocationRecorder
-from hf_memo.profiler.kernel_workspace import KernelTarget, workspace_hook
-from hf_memo.profiler.phases import PhaseTracker, decoder_layers
 from hf_memo.profiler.trace import AllocationTrace
+
+if TYPE_CHECKING:  # the recorder (fake tensors' dispatch) loads with the first step recorded, not with OPTIMIZERS
+    from torch import nn
+
+    from hf_memo.profiler.allocations import AllocationRecorder
+    from hf_memo.profiler.kernel_workspace import KernelTarget
 
 OPTIMIZERS = ("adamw", "none")
 
@@ -79,6 +81,10 @@ def record_training_step(
     See :func:`trace_training_step`; the recorder also gives the addresses of real allocations.
     ``on_start()`` is called once the optimizer state and the inputs exist, right before recording.
     """
+    from hf_memo.profiler.allocations import AllocationRecorder
+    from hf_memo.profiler.kernel_workspace import workspace_hook
+    from hf_memo.profiler.phases import PhaseTracker, decoder_layers
+
     model.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = steady_optimizer(model, optimizer)
