@@ -50,29 +50,29 @@ def result(profiled):
 
 
 def test_modes_side_by_side_with_the_longest_sequence_that_fits(result):
-    vanilla, checkpointing, minseq = (result.modes[m] for m in ("vanilla", "hf-checkpointing", "minseq"))
-    assert vanilla.footprint.device.total > checkpointing.footprint.device.total > minseq.footprint.device.total
-    assert "closed form fitted to 4 fresh fake-tensor profiles" in vanilla.footprint.method
-    for mode in (vanilla, checkpointing, minseq):
+    plain, checkpointing, full = (result.modes[m] for m in ("hf", "hf-checkpointing", "full"))
+    assert plain.footprint.device.total > checkpointing.footprint.device.total > full.footprint.device.total
+    assert "closed form fitted to 4 fresh fake-tensor profiles" in plain.footprint.method
+    for mode in (plain, checkpointing, full):
         assert mode.fits == (mode.footprint.device.total <= 24 * MiB)
         assert mode.footprint.host.total == 0
         by_category = mode.footprint.device.by_category
         assert sum(by_category.values()) == mode.footprint.device.total
-        assert by_category["parameter"] == vanilla.footprint.device.by_category["parameter"] > 0
-    assert 0 < vanilla.longest_seq_len < checkpointing.longest_seq_len < minseq.longest_seq_len
+        assert by_category["parameter"] == plain.footprint.device.by_category["parameter"] > 0
+    assert 0 < plain.longest_seq_len < checkpointing.longest_seq_len < full.longest_seq_len
 
 
 def test_the_longest_sequence_fits_and_the_next_one_does_not(config_path, result):
-    longest = result.modes["minseq"].longest_seq_len
-    at = estimate(config_path, longest, gpu_memory=24 * MiB, modes=["minseq"], search=False, progress=False)
-    past = estimate(config_path, longest + 256, gpu_memory=24 * MiB, modes=["minseq"], search=False, progress=False)
-    assert at.modes["minseq"].fits and not past.modes["minseq"].fits
-    assert at.modes["minseq"].longest_seq_len is None
+    longest = result.modes["full"].longest_seq_len
+    at = estimate(config_path, longest, gpu_memory=24 * MiB, modes=["full"], search=False, progress=False)
+    past = estimate(config_path, longest + 256, gpu_memory=24 * MiB, modes=["full"], search=False, progress=False)
+    assert at.modes["full"].fits and not past.modes["full"].fits
+    assert at.modes["full"].longest_seq_len is None
 
 
 def test_memo_fits_some_policy_up_to_its_longest_sequence_and_none_past_it(config_path, result):
-    memo, minseq = result.modes["memo"], result.modes["minseq"]
-    assert memo.longest_seq_len >= minseq.longest_seq_len
+    memo, full = result.modes["memo"], result.modes["full"]
+    assert memo.longest_seq_len >= full.longest_seq_len
     for seq_len, fits in ((memo.longest_seq_len, True), (memo.longest_seq_len + 256, False)):
         at = estimate(config_path, seq_len, 24 * MiB, modes=["memo"], search=False, progress=False).modes
         assert at["memo"].fits == fits
@@ -107,12 +107,12 @@ def test_where_the_solver_finds_no_policy_a_fitting_smallest_one_is_the_answer(c
 def test_models_configs_and_lora_are_accepted():
     config = CONFIGS["gpt2"](2)
     model = GPT2LMHeadModel(config)
-    by_model = estimate(model, 512, modes=["vanilla"], search=False, progress=False)
-    by_config = estimate(config, 512, modes=["vanilla"], search=False, progress=False)
-    assert by_model.modes["vanilla"].footprint == by_config.modes["vanilla"].footprint
-    assert "2 fresh fake-tensor profiles (2,048 and 4,096 tokens)" in by_config.modes["vanilla"].footprint.method
-    lora = estimate(config, 512, modes=["vanilla"], trainable="lora", search=False, progress=False)
-    full, adapted = by_config.modes["vanilla"].footprint.device, lora.modes["vanilla"].footprint.device
+    by_model = estimate(model, 512, modes=["hf"], search=False, progress=False)
+    by_config = estimate(config, 512, modes=["hf"], search=False, progress=False)
+    assert by_model.modes["hf"].footprint == by_config.modes["hf"].footprint
+    assert "2 fresh fake-tensor profiles (2,048 and 4,096 tokens)" in by_config.modes["hf"].footprint.method
+    lora = estimate(config, 512, modes=["hf"], trainable="lora", search=False, progress=False)
+    full, adapted = by_config.modes["hf"].footprint.device, lora.modes["hf"].footprint.device
     assert adapted.by_category["parameter"] > full.by_category["parameter"]  # base weights + adapters
     # AdamW states of the adapters only: rank 8 on c_attn (64 -> 192) of 2 layers, fp32 (PEFT's default), + steps
     adapter_params = 2 * 8 * (64 + 192)
@@ -133,8 +133,8 @@ def _host_offloading(model, host_memory):
 
 def test_a_new_mode_is_one_table_entry_and_host_bytes_count_as_host_memory(monkeypatch, config_path):
     monkeypatch.setitem(MODES, "offload", Mode("copies layer outputs to the host", _host_offloading))
-    result = estimate(config_path, 1024, modes=["vanilla", "offload"], search=False, progress=False)
-    plain, offload = result.modes["vanilla"].footprint, result.modes["offload"].footprint
+    result = estimate(config_path, 1024, modes=["hf", "offload"], search=False, progress=False)
+    plain, offload = result.modes["hf"].footprint, result.modes["offload"].footprint
     assert offload.host.total == 6 * 1024 * 64 * 2  # six (S, H) bf16 layer outputs
     assert offload.device.total == plain.device.total  # none of it on the device
     limited = estimate(config_path, 1024, modes=["offload"], host_memory=6 * 1024 * 64, progress=False)
@@ -145,16 +145,16 @@ def test_a_new_mode_is_one_table_entry_and_host_bytes_count_as_host_memory(monke
 def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_path):
     # the module's question (4,096 tokens, 24 MiB, no reserve): its closed forms are this process's already
     argv = ["estimate", "--model", config_path, "--seq-len", "4k", "--gpu-memory", "24MiB", "--reserve", "0GiB"]
-    assert cli.main(argv + ["--modes", "vanilla,minseq"]) == 0
+    assert cli.main(argv + ["--modes", "hf,full"]) == 0
     table = capsys.readouterr().out
-    assert "vanilla" in table and "minseq" in table and "hf-checkpointing" not in table
+    assert " hf " in table and "full" in table and "hf-checkpointing" not in table
     for label in ("peak device memory", "activations", "optimizer state", "longest sequence", "closed form fitted to"):
         assert label in table
     traces, plot = tmp_path / "traces", tmp_path / "timeline.png"
     assert cli.main(argv + ["--json", "--no-search", "--trace-dir", str(traces), "--plot", str(plot)]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert set(record["modes"]) == {"vanilla", "hf-checkpointing", "minseq", "memo"}
-    assert record["modes"]["minseq"]["longest_seq_len"] is None
+    assert set(record["modes"]) == {"hf", "hf-checkpointing", "full", "memo"}
+    assert record["modes"]["full"]["longest_seq_len"] is None
     assert record["gpu_memory"] == 24 * MiB
     for mode, values in record["modes"].items():
         trace = AllocationTrace.load(traces / f"{mode}.jsonl")
@@ -173,7 +173,7 @@ def test_cli_prints_the_table_json_traces_and_a_plot(tmp_path, capsys, config_pa
         (["--gpu-memory", "eighty"], "--gpu-memory: expected a size such as '80GiB'"),
         (["--seq-len", "0"], "--seq-len: a token count must be positive"),
         (["--seq-len", "-5"], "--seq-len: expected a token count"),
-        (["--modes", "vanilla,fast"], "--modes must be one of vanilla, hf-checkpointing, minseq, memo, got 'fast'"),
+        (["--modes", "hf,fast"], "--modes must be one of hf, hf-checkpointing, none, full, selective, memo, got"),
         (["--batch", "0"], "--batch must be an integer >= 1"),
         (["--trainable", "half"], "--trainable must be one of full, lora"),
         (["--optimizer", "sgd"], "--optimizer must be one of adamw, none"),
@@ -216,19 +216,17 @@ def test_the_command_exits_2_without_a_traceback():
 def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
     from hf_memo.integrations.cluster import Cluster
 
-    one = estimate(config_path, 8192, gpu_memory=24 * MiB, modes=["minseq"], search=False, progress=False)
+    one = estimate(config_path, 8192, gpu_memory=24 * MiB, modes=["full"], search=False, progress=False)
     with pytest.raises(ValueError, match="sequence_parallel=8 exceeds the model's num_attention_heads=4 .* is 4"):
         estimate(config_path, 8192, 24 * MiB, cluster=Cluster(num_gpus=8, sequence_parallel=8), search=False)
     cluster = Cluster(num_gpus=8, sequence_parallel=4, zero=3, offload_optimizer=True)
-    eight = estimate(
-        config_path, 8192, 24 * MiB, host_memory=64 * MiB, modes=["minseq"], cluster=cluster, progress=False
-    )
-    single, rank = one.modes["minseq"].footprint.device.by_category, eight.modes["minseq"].footprint.device.by_category
+    eight = estimate(config_path, 8192, 24 * MiB, host_memory=64 * MiB, modes=["full"], cluster=cluster, progress=False)
+    single, rank = one.modes["full"].footprint.device.by_category, eight.modes["full"].footprint.device.by_category
     # every parameter of this tiny model is under ZeRO-3's persistence threshold (1e5 elements): whole on every rank
     assert rank["parameter"] == single["parameter"] and rank["optimizer"] == 0 < single["optimizer"]
     assert rank["activation"] < single["activation"]  # S / 4 tokens per rank
-    assert eight.modes["minseq"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
-    assert eight.modes["minseq"].binding in ("device", "host", "pinned")
+    assert eight.modes["full"].footprint.host.by_category["optimizer"] > 0  # the offloaded optimizer state
+    assert eight.modes["full"].binding in ("device", "host", "pinned")
     assert "8 GPUs (8 per node), sequence parallel 4, ZeRO-3, optimizer offloaded to the host" in eight.table()
 
 
@@ -244,11 +242,11 @@ def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes
         for index in sorted({0, len(jobs) // 2, len(jobs) - 1}):
             assert jobs[index]() == traces[index], index
     monkeypatch.setattr(module, "_CLOSED_FORMS", {})  # profile everything again
-    modes = ("hf-checkpointing", "vanilla")
+    modes = ("hf-checkpointing", "hf")
     again = estimate(config_path, 4096, gpu_memory=24 * MiB, modes=modes, workers=1, progress=False)
     for mode in modes:
         assert again.modes[mode].to_dict() == result.modes[mode].to_dict(), mode
-    assert again.modes["hf-checkpointing"].longest_seq_len > again.modes["vanilla"].longest_seq_len
+    assert again.modes["hf-checkpointing"].longest_seq_len > again.modes["hf"].longest_seq_len
 
 
 # -- first contact: units, the host memory assumed, the search cap, Hub ids, what LoRA trains -----------------------
@@ -272,7 +270,7 @@ RECIPE_LORA += ["--trainable-modules", "embed_tokens,norm"]
     ],
 )
 def test_cli_refuses_sizes_without_a_unit_and_lora_flags_out_of_place(capsys, argv, message):
-    flags = {"--model": "llama-3-8b", "--gpu-memory": "80GiB", "--host-memory": "1TiB", "--modes": "vanilla"}
+    flags = {"--model": "llama-3-8b", "--gpu-memory": "80GiB", "--host-memory": "1TiB", "--modes": "hf"}
     flags.update(zip(argv[::2], argv[1::2]))
     assert cli.main(["estimate", *(item for pair in flags.items() for item in pair)]) == 2
     err = capsys.readouterr().err
@@ -306,7 +304,7 @@ def test_cli_prints_the_host_memory_first_and_sizes_the_lora_it_is_told(capsys, 
     from tests.test_integrations_setups import real_trainable
     from tests.test_profiler_step import CONFIGS
 
-    argv = ["estimate", "--model", config_path, "--seq-len", "1k", "--gpu-memory", "24MiB", "--modes", "vanilla"]
+    argv = ["estimate", "--model", config_path, "--seq-len", "1k", "--gpu-memory", "24MiB", "--modes", "hf"]
     argv += ["--reserve", "0GiB", "--no-search", "--trainable", "lora", *RECIPE_LORA]
     assert cli.main(argv) == 0
     out, err = capsys.readouterr()
@@ -327,7 +325,7 @@ def test_cli_prints_the_host_memory_first_and_sizes_the_lora_it_is_told(capsys, 
     # trainable copies (embeddings 500 x 64, 13 norms), a 4-byte step per parameter tensor
     adapters, copies = 6 * 16 * (2 * (64 + 64) + 2 * (64 + 32)), 500 * 64 + 13 * 64
     assert adapters + copies == trained
-    optimizer = record["modes"]["vanilla"]["footprint"]["device"]["by_category"]["optimizer"]
+    optimizer = record["modes"]["hf"]["footprint"]["device"]["by_category"]["optimizer"]
     assert optimizer == 2 * 4 * adapters + 2 * 2 * copies + 4 * (6 * 4 * 2 + 1 + 13)
 
     assert cli.main(argv + ["--host-memory", "64GiB"]) == 0
@@ -337,10 +335,10 @@ def test_cli_prints_the_host_memory_first_and_sizes_the_lora_it_is_told(capsys, 
 def test_an_answer_at_the_search_cap_says_so_and_names_the_cap():
     from tests.test_profiler_step import CONFIGS
 
-    found = estimate(CONFIGS["gpt2"](2), 512, gpu_memory="80GiB", modes=["vanilla"], progress=False)
-    vanilla = found.modes["vanilla"]
-    assert vanilla.longest_seq_len == 4096 and vanilla.longest_is_search_limit  # gpt2's learned positions
-    assert vanilla.bound_by == vanilla.to_dict()["binding"] == "search cap"
+    found = estimate(CONFIGS["gpt2"](2), 512, gpu_memory="80GiB", modes=["hf"], progress=False)
+    plain = found.modes["hf"]
+    assert plain.longest_seq_len == 4096 and plain.longest_is_search_limit  # gpt2's learned positions
+    assert plain.bound_by == plain.to_dict()["binding"] == "search cap"
     table = found.table()
     assert table.splitlines()[0].startswith("Host memory: no limit")
     bound = next(line for line in table.splitlines() if line.startswith("  bound by"))
@@ -361,3 +359,35 @@ def test_a_hub_id_neither_here_nor_in_the_cache_is_one_line_that_says_what_to_do
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a file here, nor a model in the local Hugging Face cache" in err
     assert "HF_HUB_OFFLINE is set" in err and "hf download meta-llama/Meta-Llama-3-8B config.json" in err
+
+
+# -- the modes' names: MemoConfig's, the baselines named by what they are, the old names deprecated ----------------
+
+
+def test_every_mode_of_hf_memo_is_estimated_under_memoconfigs_names(config_path, capsys):
+    argv = ["estimate", "--model", config_path, "--seq-len", "4k", "--gpu-memory", "24MiB", "--reserve", "0GiB"]
+    assert cli.main(argv + ["--json", "--modes", "selective,full,memo"]) == 0
+    modes = json.loads(capsys.readouterr().out)["modes"]
+    assert list(modes) == ["selective", "full", "memo"]
+    for name, mode in modes.items():
+        assert mode["footprint"]["device"]["total"] > 0 and mode["longest_seq_len"] > 0, name
+    assert "recompute='selective'" in modes["selective"]["description"]
+    assert "recompute='full'" in modes["full"]["description"]
+    # selective keeps the matmul and attention outputs full recomputes: more memory, a longest sequence no longer
+    selective, full = (modes[name]["footprint"]["device"]["total"] for name in ("selective", "full"))
+    assert selective > full
+    assert modes["selective"]["longest_seq_len"] <= modes["full"]["longest_seq_len"]
+
+
+def test_the_old_names_still_answer_with_a_deprecation_note(config_path, capsys, result):
+    with pytest.warns(FutureWarning, match="mode 'vanilla' is deprecated: say hf"):
+        old = estimate(config_path, 4096, gpu_memory=24 * MiB, modes=["vanilla", "hf"], progress=False)
+    assert list(old.modes) == ["hf"] and old.modes["hf"].to_dict() == result.modes["hf"].to_dict()
+    argv = ["estimate", "--model", config_path, "--seq-len", "4k", "--gpu-memory", "24MiB", "--reserve", "0GiB"]
+    assert cli.main(argv + ["--json", "--no-search", "--modes", "vanilla,minseq"]) == 0
+    out = capsys.readouterr()
+    assert list(json.loads(out.out)["modes"]) == ["hf", "minseq"]
+    assert "warning: --modes 'vanilla' is deprecated: say hf" in out.err
+    assert "warning: --modes 'minseq' is deprecated: it is hf_memo.apply(recompute='none') under" in out.err
+    with pytest.raises(ValueError, match="modes must be a sequence naming at least one of hf, hf-checkpointing"):
+        estimate(config_path, 4096, modes="hf")

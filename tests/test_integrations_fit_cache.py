@@ -52,7 +52,7 @@ def _no_profiles(monkeypatch):
 
 def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(tmp_path, config_path, fresh_process, monkeypatch):
     cache = FitCache(tmp_path)
-    question = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, modes=["vanilla", "minseq", "memo"], progress=False)
+    question = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, modes=["hf", "full", "memo"], progress=False)
     cold = estimate(config_path, 4096, cache=cache, workers=1, **question)
     assert fresh_process and sum(fresh_process) >= 4 + 6 + 10  # every mode was profiled
     assert len(list(tmp_path.glob("*.pkl"))) == 5  # three modes' fits, the model states and the model
@@ -158,7 +158,7 @@ def test_a_cached_answer_reads_neither_transformers_nor_the_model_code(tmp_path,
     script = (
         "import sys; from hf_memo.integrations import cli; "
         f"code = cli.main(['estimate', '--model', {config_path!r}, '--seq-len', '4k', '--gpu-memory', '24MiB', "
-        "'--reserve', '0GiB', '--modes', 'vanilla,memo', '--json']); "
+        "'--reserve', '0GiB', '--modes', 'hf,memo', '--json']); "
         "heavy = [m for m in ('transformers', 'peft', 'hf_memo.patches', 'hf_memo.profiler.fake_model') "
         "if m in sys.modules]; print('HEAVY', heavy, file=sys.stderr); sys.exit(code)"
     )

@@ -44,7 +44,8 @@ def test_chunk_rows_follow_the_runtime_rule():
     "mode,lengths",
     # memo: one length just past a bucket boundary, the hardest case (host buffers 3.1% longer than the step); whole
     # buckets, as long as their steps, are checked against direct profiles in test_integrations_policy_footprint.py
-    [("minseq", (16384, 65536, 262144)), ("memo", (65537,))],
+    # full and selective (hf_memo's own recompute): one length each, past the shortest chunk rows
+    [("minseq", (16384, 65536, 262144)), ("memo", (65537,)), ("full", (65536,)), ("selective", (65536,))],
 )
 def test_the_closed_form_is_within_one_percent_of_direct_profiles(mode, lengths):
     profiler_for = _profiler_for(mode)

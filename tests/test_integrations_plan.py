@@ -119,7 +119,7 @@ def _malformed(tmp_path):
         (["--model", "llama-9b", "--seq-len", "1k"], "unknown model 'llama-9b'; built-in models are gpt-7b"),
         (["--model", "llama-3-8b", "--seq-len", "0"], "--seq-len: a token count must be positive"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--batch", "0"], "--batch must be an integer >= 1"),
-        (["--model", "llama-3-8b", "--seq-len", "1k", "--mode", "fast"], "--mode must be one of vanilla, hf-check"),
+        (["--model", "llama-3-8b", "--seq-len", "1k", "--mode", "fast"], "--mode must be one of hf, hf-check"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--solver", "ilp"], "--solver must be one of cpsat, greedy"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--time-limit", "0"], "--time-limit must be a number of sec"),
         (["--model", "llama-3-8b", "--seq-len", "1k", "--time-limit", "soon"], "got 'soon'"),

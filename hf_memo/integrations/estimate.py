@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ from hf_memo.integrations.memo_estimate import (
 )
 from hf_memo.integrations.setups import (
     AUTO_CHUNKS,
+    CURRENT_MODES,
     DEFAULT_MODES,
     DTYPES,
     LORA_RANK,
@@ -74,6 +76,7 @@ from hf_memo.integrations.setups import (
     memo_with_policy,
     parse,
     positive_int,
+    resolve_modes,
     with_lora,
 )
 from hf_memo.parallel.heads import check_head_counts
@@ -612,7 +615,8 @@ def memo_mode_estimate(memo: MemoModel, seq_len: int, budget: Budget, search: bo
 # More workers than the memo mode's seven profiles hardly shorten the run (its profiles are the longest) and each
 # worker fills its own fake-tensor caches: the default stops at eight.
 MAX_WORKERS = 8
-PROFILE_WEIGHT = {"memo": 3.0, "minseq": 1.5, "hf-checkpointing": 1.2}  # one profile's time, relative to vanilla's
+# one profile's time, relative to plain Hugging Face's
+PROFILE_WEIGHT = {"memo": 3.0, "minseq": 1.5, "full": 1.5, "selective": 1.5, "none": 1.3, "hf-checkpointing": 1.2}
 
 
 def _known(job: _Job, mode: str, cache: FitCache) -> bool:
@@ -736,10 +740,11 @@ def estimate(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     choice("optimizer", optimizer, OPTIMIZERS)
-    if not modes:
-        raise ValueError(f"modes must name at least one of {', '.join(MODES)}")
-    for mode in modes:
-        choice("mode", mode, list(MODES))
+    if not modes or isinstance(modes, str):
+        raise ValueError(f"modes must be a sequence naming at least one of {', '.join(CURRENT_MODES)}, got {modes!r}")
+    modes, notes = resolve_modes(modes)
+    for note in notes:
+        warnings.warn(note, FutureWarning, stacklevel=2)
     if seq_len > search_limit:
         raise ValueError(f"{name} has learned positions for at most {search_limit:,} tokens, got seq_len {seq_len:,}")
 
@@ -1065,7 +1070,10 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         default=",".join(DEFAULT_MODES),
-        help=f"comma-separated, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
+        help=f"comma-separated, of: {', '.join(CURRENT_MODES)} (default: {','.join(DEFAULT_MODES)}); none, full, "
+        "selective and memo are MemoConfig(recompute=...)'s modes, hf and hf-checkpointing plain Hugging Face without "
+        "and with its gradient checkpointing; the old names vanilla (hf) and minseq still work, with a deprecation "
+        "note",
     )
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
     parser.add_argument(
@@ -1155,27 +1163,31 @@ def lora_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for mode in modes:
-        choice("--modes", mode, list(MODES))
+    modes, notes = resolve_modes([m.strip() for m in args.modes.split(",") if m.strip()], "--modes")
+    if not modes:
+        raise ValueError(f"--modes must name at least one of {', '.join(CURRENT_MODES)}, got {args.modes!r}")
+    for note in notes:
+        print(f"hf-memo estimate: warning: {note}", file=sys.stderr)
     cluster = cluster_of(args)
-    result = estimate(
-        args.model,
-        parse("--seq-len", parse_tokens, args.seq_len),
-        batch_size=positive_int("--batch", args.batch),
-        trainable=choice("--trainable", args.trainable, TRAINABLE),
-        **lora_flags(args),
-        optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
-        modes=modes,
-        dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
-        search=not args.no_search,
-        keep_traces=bool(args.plot or args.trace_dir),
-        gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
-        cluster=cluster,
-        workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
-        cache=not args.no_cache,
-        **memory_of(args, cluster),
-    )
+    with warnings.catch_warnings():  # each deprecated name was said above, once
+        warnings.filterwarnings("ignore", "mode .* is deprecated", FutureWarning)
+        result = estimate(
+            args.model,
+            parse("--seq-len", parse_tokens, args.seq_len),
+            batch_size=positive_int("--batch", args.batch),
+            trainable=choice("--trainable", args.trainable, TRAINABLE),
+            **lora_flags(args),
+            optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
+            modes=modes,
+            dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
+            search=not args.no_search,
+            keep_traces=bool(args.plot or args.trace_dir),
+            gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),
+            cluster=cluster,
+            workers=None if args.jobs is None else positive_int("--jobs", args.jobs),
+            cache=not args.no_cache,
+            **memory_of(args, cluster),
+        )
     result.host_memory_source = HOST_FROM_FLAG if args.host_memory is not None else HOST_FROM_THIS_MACHINE
     if args.trace_dir:
         folder = Path(args.trace_dir)

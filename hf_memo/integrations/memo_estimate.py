@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_memo.integrations.fitted import BASE_CHUNKS, ConfigFacts, ProfilePlan, chunk_rows, trace_at
 from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
-from hf_memo.integrations.setups import Chunks
+from hf_memo.integrations.setups import DEPRECATED_MODES, MODES, Chunks
 from hf_memo.parallel.heads import HeadSplit
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
@@ -477,7 +477,7 @@ def step_seconds(
     recompute every decoder layer's forward in backward (Hugging Face checkpointing); attention's FLOPs times
     ``attention_scale`` (see :meth:`LayerFlops.seconds`)."""
     forward, backward, _ = flops.seconds(batch_size, seq_len, gpu.peak_flops, attention_scale)
-    recompute = 0.0 if mode == "vanilla" else forward
+    recompute = forward if MODES[DEPRECATED_MODES.get(mode, (mode,))[0]].recomputes_layers else 0.0
     return layers * (forward + backward + recompute) + head_seconds
 
 

@@ -11,7 +11,9 @@ reserves for the same step without the plan and with it.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from hf_memo.integrations.setups import (
+    CURRENT_MODES,
     DTYPES,
     MODES,
     POSITION_LIMITS,
@@ -29,6 +32,7 @@ from hf_memo.integrations.setups import (
     config_of,
     parse,
     positive_int,
+    resolve_modes,
     with_lora,
 )
 from hf_memo.planner.bilevel import plan_memory
@@ -70,7 +74,9 @@ def profile_step(
     seq_len = parse_tokens(seq_len)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    choice("mode", mode, list(MODES))
+    (mode,), notes = resolve_modes([mode])
+    for note in notes:
+        warnings.warn(note, FutureWarning, stacklevel=2)
     choice("trainable", trainable, TRAINABLE)
     choice("optimizer", optimizer, OPTIMIZERS)
     limit_field = POSITION_LIMITS.get(config.model_type)
@@ -162,7 +168,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seq-len", help="tokens per sequence, e.g. 32768, 128k or 1M")
     parser.add_argument("--batch", default="1", help="sequences per step (default 1)")
-    parser.add_argument("--mode", default=DEFAULT_MODE, help=f"one of {', '.join(MODES)} (default {DEFAULT_MODE})")
+    parser.add_argument(
+        "--mode", default=DEFAULT_MODE, help=f"one of {', '.join(CURRENT_MODES)} (default {DEFAULT_MODE})"
+    )
     parser.add_argument("--trainable", default="full", help="full (default) or lora")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default) or none")
     parser.add_argument("--dtype", default="bf16", help="parameter dtype: bf16 (default), fp16 or fp32")
@@ -204,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give --model and --seq-len (or --trace with a saved trace)")
         seq_len = parse("--seq-len", parse_tokens, args.seq_len)
         batch_size = positive_int("--batch", args.batch)
-        mode = choice("--mode", args.mode, list(MODES))
+        (mode,), notes = resolve_modes([args.mode], "--mode")
+        for note in notes:
+            print(f"hf-memo plan: warning: {note}", file=sys.stderr)
         trainable = choice("--trainable", args.trainable, TRAINABLE)
         optimizer = choice("--optimizer", args.optimizer, OPTIMIZERS)
         dtype = DTYPES[choice("--dtype", args.dtype, list(DTYPES))]

@@ -59,6 +59,7 @@ class Mode:
     profile_layers: tuple[int, int] = PROFILE_LAYERS
     chunking: str | None = None
     configure_chunked: Callable[[nn.Module, int | None, Chunks], None] | None = None
+    recomputes_layers: bool = False  # whether backward runs every decoder layer's forward again (step-time bound)
 
 
 def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
@@ -72,6 +73,17 @@ def _hf_checkpointing(model: nn.Module, host_memory: int | None) -> None:
 def _minseq(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNKS) -> None:
     _hf_checkpointing(model, host_memory)
     apply(model, mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
+
+
+def _patched(recompute: str) -> Callable[[nn.Module, int | None, Chunks], None]:
+    """``configure(model, host_memory, chunks)``: ``hf_memo.apply(model, recompute=recompute)`` with the given chunk
+    settings and every other setting ``MemoConfig``'s default (the patched model's own mode, no Hugging Face
+    checkpointing)."""
+
+    def configure(model: nn.Module, host_memory: int | None, chunks: Chunks = AUTO_CHUNKS) -> None:
+        apply(model, recompute=recompute, mlp_chunks=chunks[0], lm_head_chunks=chunks[1])
+
+    return configure
 
 
 UNLIMITED_HOST = 2**50
@@ -126,14 +138,38 @@ def memo_with_policy(
     return configure
 
 
-MODES: dict[str, Mode] = {
-    "vanilla": Mode("plain Hugging Face", lambda model, host_memory: None),
-    "hf-checkpointing": Mode("Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing),
-    "minseq": Mode(
-        "hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing",
-        _minseq,
+def _patched_mode(recompute: str, description: str, recomputes_layers: bool) -> Mode:
+    configure = _patched(recompute)
+    return Mode(
+        description,
+        configure,
         chunking="tokens",
-        configure_chunked=_minseq,
+        configure_chunked=configure,
+        recomputes_layers=recomputes_layers,
+    )
+
+
+# MemoConfig(recompute=...)'s modes by their own names, and the two baselines by what they are.
+MODES: dict[str, Mode] = {
+    "hf": Mode("plain Hugging Face", lambda model, host_memory: None),
+    "hf-checkpointing": Mode(
+        "Hugging Face gradient checkpointing (non-reentrant)", _hf_checkpointing, recomputes_layers=True
+    ),
+    "none": _patched_mode(
+        "none",
+        "hf_memo.apply(recompute='none'): mini-sequence MLP and LM head, every activation kept",
+        recomputes_layers=False,
+    ),
+    "full": _patched_mode(
+        "full",
+        "hf_memo.apply(recompute='full'): each layer's input kept, the layer recomputed; mini-sequence MLP and LM head",
+        recomputes_layers=True,
+    ),
+    "selective": _patched_mode(
+        "selective",
+        "hf_memo.apply(recompute='selective'): matmul and attention outputs kept, the cheap parts recomputed "
+        "(not counted in the step-time bound); mini-sequence MLP and LM head",
+        recomputes_layers=False,
     ),
     "memo": Mode(
         "hf_memo.apply(recompute='memo'): MEMO executor, layer inputs and attention outputs on the host",
@@ -142,8 +178,46 @@ MODES: dict[str, Mode] = {
         chunking="memo",
         configure_chunked=_memo,
     ),
+    # Deprecated (see DEPRECATED_MODES): the mode the estimator called "minseq", kept so that its answers stay.
+    "minseq": Mode(
+        "hf_memo.apply (mini-sequence MLP and LM head, default MemoConfig) + HF checkpointing",
+        _minseq,
+        chunking="tokens",
+        configure_chunked=_minseq,
+        recomputes_layers=True,
+    ),
 }
-DEFAULT_MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
+DEFAULT_MODES = ("hf", "hf-checkpointing", "full", "memo")
+# The estimator's old mode names: old name -> (the mode it is now, what to say instead). "vanilla" is "hf" under
+# another name; "minseq" stays a mode of its own (hf_memo with recompute="none" under Hugging Face's checkpointing,
+# not one of MemoConfig's modes), named only to be warned about.
+DEPRECATED_MODES: dict[str, tuple[str, str]] = {
+    "vanilla": ("hf", "say hf (plain Hugging Face)"),
+    "minseq": (
+        "minseq",
+        "it is hf_memo.apply(recompute='none') under Hugging Face checkpointing; say full (hf_memo's own recompute "
+        "of each layer), selective or none",
+    ),
+}
+CURRENT_MODES = tuple(name for name in MODES if name not in DEPRECATED_MODES)  # what --modes offers (built in)
+
+
+def resolve_modes(names: Sequence[str], what: str = "mode") -> tuple[list[str], list[str]]:
+    """``names`` in the current vocabulary (old names mapped, each once, in the order given) and a deprecation note
+    per old name; ``ValueError`` naming ``what`` for a name that is no mode."""
+    modes: list[str] = []
+    notes: list[str] = []
+    for name in names:
+        if name in DEPRECATED_MODES:
+            mode, instead = DEPRECATED_MODES[name]
+            notes.append(f"{what} {name!r} is deprecated: {instead}")
+        else:
+            mode = choice(what, name, [mode for mode in MODES if mode not in DEPRECATED_MODES])
+        if mode not in modes:
+            modes.append(mode)
+    return modes, notes
+
+
 TRAINABLE = ("full", "lora")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LORA_RANK = 8
