@@ -43,7 +43,7 @@ def _fault_on_rank_one(model: torch.nn.Module, rank: int) -> None:
         installed.impl = lambda *args: impl(*args) * 1.05
 
 
-def _fsdp2_worker(rank: int, world_size: int, recompute: str, fault: bool) -> dict:
+def _fsdp2_step(rank: int, recompute: str, fault: bool) -> dict:
     compared: list[list[str]] = []
     _spy_on_gradients(compared)
     torch.manual_seed(0)
@@ -62,35 +62,46 @@ def _fsdp2_worker(rank: int, world_size: int, recompute: str, fault: bool) -> di
     return {"grads": grads, "compared": compared, "checked": patch_state(model).self_check.checked}
 
 
-@pytest.mark.parametrize("recompute", ["full", "memo"])
-def test_under_fsdp2_the_check_compares_the_gathered_parameters_gradients_and_leaves_the_step_as_it_was(recompute):
+def _fsdp2_worker(rank: int, world_size: int) -> dict:
+    run = self_check._run
+    results = {}
+    for recompute, fault in (("full", False), ("memo", False), ("full", True)):
+        self_check._PASSED.clear()  # each configuration checked afresh
+        results[recompute, fault] = _fsdp2_step(rank, recompute, fault)
+        self_check._run = run
+    return results
+
+
+def test_under_fsdp2_the_check_compares_gathered_gradients_and_refuses_on_every_rank_what_one_rank_finds():
+    """The check compares the gradients of the probed layers' own parameters (gathered by FSDP2), and leaves the
+    step's gradients equal to one unpatched process's; a fault only rank 1's probe sees (layer 1's MLP) is refused on
+    both ranks, naming the layer on rank 1, before any gradient exists."""
     torch.manual_seed(0)
     reference = build_model("llama", num_hidden_layers=2).train()
     for rank in range(2):  # FSDP averages the ranks' gradients
         ids = _batch(rank)
         (reference(input_ids=ids, labels=ids).loss / 2).backward()
-    for result in run_processes(_fsdp2_worker, 2, recompute, False):
-        assert result["checked"] == {"plain"}
-        assert len(result["compared"]) == 2  # the unpatched and the patched pass
-        for names in result["compared"]:
-            assert "decoder layer 0 (FSDPLlamaDecoderLayer): mlp.down_proj.weight" in names
-            assert "the LM head: weight" in names and "the final norm: weight" in names
-        for name, p in reference.named_parameters():
-            torch.testing.assert_close(result["grads"][name], p.grad, rtol=1e-8, atol=1e-11, msg=name)
-
-
-def test_under_fsdp2_a_fault_one_rank_sees_is_refused_on_every_rank_before_any_gradient():
-    rank0, rank1 = run_processes(_fsdp2_worker, 2, "full", True)
+    per_rank = run_processes(_fsdp2_worker, 2)
+    for results in per_rank:
+        for recompute in ("full", "memo"):
+            result = results[recompute, False]
+            assert result["checked"] == {"plain"}
+            assert len(result["compared"]) == 2  # the unpatched and the patched pass
+            for names in result["compared"]:
+                assert "decoder layer 0 (FSDPLlamaDecoderLayer): mlp.down_proj.weight" in names
+                assert "the LM head: weight" in names and "the final norm: weight" in names
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(result["grads"][name], p.grad, rtol=1e-8, atol=1e-11, msg=name)
+    rank0, rank1 = (results["full", True] for results in per_rank)
     assert "its MLP (LlamaMLP) run in mini-sequences differs" in rank1["error"]
     assert "decoder layer 1 (FSDPLlamaDecoderLayer)'s output" in rank1["error"]
     assert "the probe on another rank" in rank0["error"]
     assert all(g is None for g in rank0["grads"] + rank1["grads"])
 
 
-def _zero3_worker(rank: int, world_size: int, recompute: str, fault: bool) -> dict:
+def _zero3_step(rank: int, recompute: str, fault: bool) -> dict:
     import deepspeed
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -112,14 +123,27 @@ def _zero3_worker(rank: int, world_size: int, recompute: str, fault: bool) -> di
     return {"compared": compared, "checked": patch_state(causal_lm_of(engine.module)).self_check.checked}
 
 
+def _zero3_worker(rank: int, world_size: int) -> dict:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    run = self_check._run
+    results = {}
+    for recompute, fault in (("memo", False), ("full", True)):
+        self_check._PASSED.clear()
+        results[recompute, fault] = _zero3_step(rank, recompute, fault)
+        self_check._run = run
+    return results
+
+
 def test_under_zero3_the_check_compares_the_gathered_parameters_gradients_and_refuses_on_every_rank(monkeypatch):
     pytest.importorskip("deepspeed")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for result in run_processes(_zero3_worker, 2, "memo", False):
+    per_rank = run_processes(_zero3_worker, 2)
+    for results in per_rank:
+        result = results["memo", False]
         assert result["checked"] == {"plain"} and len(result["compared"]) == 2
         for names in result["compared"]:
             assert "decoder layer 0 (LlamaDecoderLayer): self_attn.q_proj.weight" in names
             assert "the LM head: weight" in names
-    rank0, rank1 = run_processes(_zero3_worker, 2, "full", True)
+    rank0, rank1 = (results["full", True] for results in per_rank)
     assert "decoder layer 1 (LlamaDecoderLayer)'s output" in rank1["error"]
     assert "the probe on another rank" in rank0["error"]
