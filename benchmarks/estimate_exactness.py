@@ -83,7 +83,7 @@ def closed_form(mode: str, trainable: str) -> FittedFootprint:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default="vanilla,hf-checkpointing,minseq,memo")
+    parser.add_argument("--modes", default="hf,hf-checkpointing,full,memo")
     add_out_option(parser)
     args = parser.parse_args()
     _, out = results_folder(args.out)

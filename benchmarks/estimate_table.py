@@ -29,15 +29,15 @@ from common import add_out_option, results_folder, tiny_llama
 
 GiB = 2**30
 HOST_GIB = 128
-MODES = ("vanilla", "hf-checkpointing", "minseq", "memo")
+MODES = ("hf", "hf-checkpointing", "full", "memo")
 # Modes whose memory is their profile's (memo's is its solved policy's, built from profiles at depths 4 and 5).
 PROFILED = MODES[:3]
 # Mini-Sequence Transformer paper, Llama3-8B on one A100-80G, AdamW full fine-tuning, bf16.
-MST_PAPER = {"vanilla": "5K", "hf-checkpointing": "14K", "minseq": "60K", "memo": "-"}
+MST_PAPER = {"hf": "5K", "hf-checkpointing": "14K", "full": "60K", "memo": "-"}
 MST_LABELS = {
-    "vanilla": "Llama 3 (no checkpointing)",
+    "hf": "Llama 3 (no checkpointing)",
     "hf-checkpointing": "activation checkpointing",
-    "minseq": "MsT",
+    "full": "MsT",
     "memo": "not in the paper",
 }
 

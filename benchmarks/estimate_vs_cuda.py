@@ -44,7 +44,7 @@ def cuda_peak(config, mode: str, seq_len: int) -> dict:
     del ids, optimizer
     trace = cuda_training_step_trace(model, 1, seq_len)
     result = {"max_memory_allocated": allocated, "allocator_trace_peak": peak(trace).total}
-    if mode == "vanilla":
+    if mode == "hf":
         inputs = offload_inputs(model, seq_len)
         result["offload_inputs"] = inputs.__dict__
     del model
@@ -63,7 +63,7 @@ def main() -> None:
     _, out = results_folder(args.out, "cuda")
     config = with_layers(builtin_config("llama-3-8b"), args.layers)
     results = {"gpu": torch.cuda.get_device_name(), "seq_len": args.seq_len, "layers": args.layers, "modes": {}}
-    for mode in ("vanilla", "hf-checkpointing", "minseq"):
+    for mode in ("hf", "hf-checkpointing", "full"):
 
         def prepare(model, session, mode=mode):
             MODES[mode].configure(model, None)

@@ -13,7 +13,7 @@ def test_minseq_memory_benchmark_runs_and_writes_its_results(tmp_path):
 def test_estimate_table_benchmark_runs_and_writes_its_results(tmp_path):
     results = run_benchmark("estimate_table", tmp_path)
     longest = {mode: row["longest_seq_len"] for mode, row in results["modes"].items()}
-    assert 0 < longest["vanilla"] <= longest["hf-checkpointing"] <= longest["minseq"]
+    assert 0 < longest["hf"] <= longest["hf-checkpointing"] <= longest["full"]
     assert all(row["relative_difference"] < 0.02 for row in results["extrapolation_check"]["modes"].values())
     assert "MsT paper" in (tmp_path / "estimate_table.md").read_text()
     assert (tmp_path / "estimate_timeline.png").stat().st_size > 0
