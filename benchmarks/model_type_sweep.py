@@ -61,7 +61,7 @@ from hf_memo.config import RECOMPUTE_MODES, MemoConfigWarning
 from hf_memo.patches.registry import TESTED_MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = Path(__file__).parent / "results" / "2026-11-28-cpu" / "model_type_sweep.json"
+DEFAULT_OUT = Path(__file__).parent / "results" / "2026-11-29-cpu" / "model_type_sweep.json"
 DEFAULT_TYPES = [
     *TESTED_MODEL_TYPES,  # the catalog, then types outside it
     "ernie4_5",
