@@ -50,24 +50,44 @@ def _no_profiles(monkeypatch):
     monkeypatch.setattr(StepProfiler, "model", refuse)
 
 
-def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(tmp_path, config_path, fresh_process, monkeypatch):
-    cache = FitCache(tmp_path)
-    question = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, modes=["hf", "full", "memo"], progress=False)
-    cold = estimate(config_path, 4096, cache=cache, workers=1, **question)
-    assert fresh_process and sum(fresh_process) >= 4 + 6 + 10  # every mode was profiled
-    assert len(list(tmp_path.glob("*.pkl"))) == 5  # three modes' fits, the model states and the model
-    monkeypatch.setattr(estimate_module, "_CLOSED_FORMS", {})  # a new run
+# One question, its budgets as the command line passes them (no reserves, pinned memory given)
+QUESTION = dict(gpu_memory=24 * MiB, host_memory=64 * MiB, pinned_memory=64 * MiB, modes=["hf", "memo"])
+FLAGS = ["--seq-len", "4k", "--gpu-memory", "24MiB", "--host-memory", "64MiB", "--pinned-memory", "64MiB"]
+FLAGS += ["--reserve", "0GiB", "--host-reserve", "0GiB", "--modes", "hf,memo", "--json"]
+
+
+@pytest.fixture(scope="module")
+def cold(config_path, tmp_path_factory):
+    """The question answered cold into a cache of its own (its folder, as $HF_MEMO_CACHE_DIR/estimator would be),
+    the answer, and the profile batches it ran."""
+    folder = tmp_path_factory.mktemp("cache") / "estimator"
+    ran = []
+
+    def recording(jobs, workers=None, on_done=None):
+        ran.append(len(jobs))
+        return run_side_by_side(jobs, workers, on_done)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(estimate_module, "_CLOSED_FORMS", {})
+        patch.setattr(estimate_module, "run_side_by_side", recording)
+        answer = estimate(config_path, 4096, cache=FitCache(folder), workers=1, progress=False, **QUESTION)
+    return folder, answer, ran
+
+
+def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(config_path, cold, fresh_process, monkeypatch):
+    folder, answer, ran = cold
+    assert sum(ran) >= 4 + 10  # both modes were profiled (memo: its fit, then its chosen policy's structure)
+    assert len(list(folder.glob("*.pkl"))) == 4  # two modes' fits, the model states and the model
     _no_profiles(monkeypatch)
-    fresh_process.clear()
-    warm = estimate(config_path, 4096, cache=cache, workers=1, **question)
+    warm = estimate(config_path, 4096, cache=FitCache(folder), workers=1, progress=False, **QUESTION)
     assert not fresh_process
-    assert warm.to_dict() == cold.to_dict() and warm.table() == cold.table()
-    assert warm.modes["memo"].policy == cold.modes["memo"].policy and cold.modes["memo"].longest_seq_len > 0
+    assert warm.to_dict() == answer.to_dict() and warm.table() == answer.table()
+    assert warm.modes["memo"].policy == answer.modes["memo"].policy and answer.modes["memo"].longest_seq_len > 0
 
 
 def test_a_changed_key_misses_and_budgets_are_not_in_it(tmp_path, config_path, fresh_process):
     cache = FitCache(tmp_path)
-    question = dict(modes=["vanilla"], progress=False, workers=1, cache=cache)
+    question = dict(modes=["hf"], progress=False, workers=1, cache=cache)
     estimate(config_path, 4096, 24 * MiB, **question)
     assert fresh_process == [4]
     estimate_module._CLOSED_FORMS.clear()
@@ -77,7 +97,7 @@ def test_a_changed_key_misses_and_budgets_are_not_in_it(tmp_path, config_path, f
     estimate(config_path, 4096, 24 * MiB, batch_size=2, **question)  # another setup: fitted again
     assert fresh_process == [4, 4]
     estimate_module._CLOSED_FORMS.clear()
-    estimate(config_path, 4096, 24 * MiB, modes=["vanilla"], progress=False, workers=1, cache=False)
+    estimate(config_path, 4096, 24 * MiB, modes=["hf"], progress=False, workers=1, cache=False)
     assert fresh_process == [4, 4, 4]  # --no-cache reads nothing
 
 
@@ -152,20 +172,19 @@ def test_writers_at_once_leave_one_whole_entry_and_readers_never_see_half_of_one
     assert os.stat(cache.path(key)).st_size > 4 * MiB
 
 
-def test_a_cached_answer_reads_neither_transformers_nor_the_model_code(tmp_path, config_path):
+def test_a_cached_answer_reads_neither_transformers_nor_the_model_code(config_path, cold):
     """What makes a repeated question fast: the command answers from the cache having imported PyTorch and NumPy
-    (the memo runtime's package needs PyTorch), not Transformers, PEFT, hf_memo's patches or fake tensors' models."""
+    (the memo runtime's package needs PyTorch), not Transformers, PEFT, hf_memo's patches or fake tensors' models,
+    and answers as the cold run did."""
+    folder, answer, _ = cold
     script = (
         "import sys; from hf_memo.integrations import cli; "
-        f"code = cli.main(['estimate', '--model', {config_path!r}, '--seq-len', '4k', '--gpu-memory', '24MiB', "
-        "'--reserve', '0GiB', '--modes', 'hf,memo', '--json']); "
+        f"code = cli.main(['estimate', '--model', {config_path!r}, *{FLAGS!r}]); "
         "heavy = [m for m in ('transformers', 'peft', 'hf_memo.patches', 'hf_memo.profiler.fake_model') "
         "if m in sys.modules]; print('HEAVY', heavy, file=sys.stderr); sys.exit(code)"
     )
-    env = {**os.environ, "HF_MEMO_CACHE_DIR": str(tmp_path)}
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    assert "HEAVY []" not in runs[0].stderr  # the first run fits (and so reads the config and builds fake models)
-    assert "HEAVY []" in runs[1].stderr
-    assert json.loads(runs[0].stdout)["modes"] == json.loads(runs[1].stdout)["modes"]
+    env = {**os.environ, "HF_MEMO_CACHE_DIR": str(folder.parent)}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "HEAVY []" in run.stderr
+    assert json.loads(run.stdout)["modes"] == answer.to_dict()["modes"]
