@@ -15,6 +15,8 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from hf_memo.lazy_names import lazy_names
+
 if TYPE_CHECKING:
     from hf_memo.config import MemoConfig
     from hf_memo.integrations.estimate import estimate
@@ -51,13 +53,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name on first use (``hf_memo.apply``, ``from hf_memo import MemoConfig``)."""
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'hf_memo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _PUBLIC)
 
 
 def __dir__() -> list[str]:

@@ -5,8 +5,9 @@ The public names are imported on first use (PEP 562): the head split alone needs
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hf_memo.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from hf_memo.parallel.causal_lm import SequenceParallelLM
@@ -49,10 +50,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name on first use."""
-    if name not in _PUBLIC:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _PUBLIC)
