@@ -1,6 +1,7 @@
 """The package's imports point one way, as the README's layer picture says, and no module imports itself back.
 
-__main__ -> integrations -> patches -> parallel -> runtime / minseq -> planner / profiler -> config / units / data.
+__main__ -> integrations -> patches -> parallel -> runtime / minseq -> planner / profiler -> config / units / data /
+lazy_names.
 Every import in a
 module counts, also one inside a function (a call-time import is still a dependency). The package's own
 ``__init__`` (the public surface) may import anything; nothing inside the package imports it.
@@ -18,6 +19,7 @@ LAYERS = {
     "config": 0,
     "units": 0,
     "data": 0,  # the packaged sample data's paths
+    "lazy_names": 0,  # the packages' lazily imported public names
     "planner": 1,
     "profiler": 1,
     "runtime": 2,
