@@ -93,7 +93,9 @@ DEFAULT_TYPES = [
     "deepseek_v2",
     "falcon_h1",
     "llama4_text",
+    "llama4_text-nochunk",
     "gemma3n_text",
+    "gemma3n_text-noshare",
     "gpt_neox",
     "mpt",
     "dbrx",
@@ -213,8 +215,20 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # KV sharing of the last layer (2 layers, both sliding: the default 15 shared layers cannot hold); the per-layer
     # input embeddings shrunk (262144 x 256 by default)
     "gemma3n_text": {"num_kv_shared_layers": 1, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
+    # the rest of Gemma-3n (AltUp, LAuReL, per-layer inputs) without the KV sharing that is refused
+    "gemma3n_text-noshare": {
+        "num_kv_shared_layers": 0,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 8,
+    },
+    "llama4_text-nochunk": {"attention_chunk_size": None},  # Llama 4 with its chunked attention off
 }
-VARIANTS = {"falcon-new": "falcon", "doge-moe": "doge"}  # variant -> its model_type
+VARIANTS = {
+    "falcon-new": "falcon",
+    "doge-moe": "doge",
+    "llama4_text-nochunk": "llama4_text",
+    "gemma3n_text-noshare": "gemma3n_text",
+}  # variant -> its model_type
 # Text model types without a causal LM class of their own: built as the text config of this multimodal model.
 CONTAINERS = {"qwen3_vl_text": "qwen3_vl"}
 

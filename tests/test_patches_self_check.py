@@ -25,7 +25,8 @@ _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
 # parameterless norms (OLMo), a mixture of attention heads (JetMoe), a complex rotary table (Llama 4), a norm before
 # the output projection (BitNet), the attention inside a norm-attention-norm block (DBRX), a residual taken after the
 # input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat), two
-# attention calls per layer with the same queries and keys (DiffLlama).
+# attention calls per layer with the same queries and keys (DiffLlama), layer outputs with a leading axis of AltUp
+# predictions (k, B, S, H) and per-layer MLP widths (Gemma-3n, without its KV sharing, which is refused).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -56,6 +57,18 @@ FAMILIES = {
             "ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2},
         },
     ),
+    "gemma3n": (
+        "Gemma3nTextConfig",
+        {
+            **_GQA,
+            "head_dim": 8,
+            "num_kv_shared_layers": 0,
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": WINDOW,
+        },
+    ),
     "minimax": (
         "MiniMaxConfig",
         {
@@ -78,6 +91,7 @@ MEMO_REFUSALS = {
     "mpt": "MptModel calls its decoder layers without passing its keyword arguments on",
     "doge": "DogeAttention hands its attention function a mask it builds itself",
     "minimax": "MiniMaxLightningAttention in MiniMaxDecoderLayer does not call transformers' attention interface",
+    "gemma3n": "Gemma3nTextDecoderLayer fails on the first rows of the sequence alone",
 }
 MODES = ("none", "full", "selective", "memo")
 
@@ -161,6 +175,37 @@ def test_without_its_fallback_the_check_refuses_the_families_per_sample_attentio
     with pytest.raises(self_check.SelfCheckError, match=f"cannot train {model_class} .*decoder layer 0 .*differing"):
         model(**_batch(False))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_whose_unpatched_forward_fails_on_the_probe_is_refused_not_trained_unchecked(monkeypatch):
+    """Nothing to compare with is no pass: the refusal names the model, the probe and the unpatched model's error."""
+    original = self_check._run
+
+    def reference_fails(*args):
+        if args[-1] is not None:  # the unpatched pass draws the cotangents
+            raise RuntimeError("the unpatched layer needs more positions")
+        return original(*args)
+
+    monkeypatch.setattr(self_check, "_run", reference_fails)
+    model = hf_memo.apply(build_model("llama"), recompute="selective")
+    expected = "cannot check LlamaForCausalLM .*unpatched model fails on the self-check's probe .*needs more positions"
+    with pytest.raises(self_check.SelfCheckError, match=expected):
+        model(**_batch(False))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis"), [((2, 5, 8), 0), ((4, 2, 5, 8), 1), ((2, 5), 0), ((5, 2, 8), None), ((2, 4, 8), None)]
+)
+def test_the_token_axes_of_a_layer_output_are_found_where_they_are(shape, axis):
+    real = torch.ones(2, 5, dtype=torch.bool)
+    real[1, 3:] = False
+    y = torch.randn(shape)
+    assert self_check._token_axis(y, real) == axis
+    x, kept = self_check._real_rows(y, y, real)
+    assert kept.shape == ((8,) + shape[:axis] + shape[axis + 2 :] if axis is not None else shape)
+    if axis == 1:
+        assert torch.equal(kept, y.movedim((1, 2), (0, 1))[real])
 
 
 def test_without_the_check_falcon_would_train_wrong():

@@ -17,7 +17,8 @@ foresee them, so every patched model checks itself, whatever its mode, before an
    by rounding (:data:`TOLERANCE` per compute dtype).
 3. A difference beyond rounding, or an error only the patched run raises, first drops hf_memo's per-sample
    attention (the layers attend with transformers' masks, as under eager attention) and checks again; what still
-   differs refuses the model, naming its class, the layer and the difference.
+   differs refuses the model, naming its class, the layer and the difference. Where the unpatched model itself
+   fails on the probe there is nothing to compare with, and the model is refused with that error too.
 
 The probe is a few dozen tokens: its cost is two forward and backward passes of that many tokens, on the first step
 of each kind of batch (plain, padded, packed), once per configuration in a process. It leaves the random
@@ -191,14 +192,16 @@ class SelfCheck:
         generator = torch.Generator().manual_seed(0)
         cotangents: dict[int, torch.Tensor] = {}
         reference: _Run | None = None
+        failed: BaseException | None = None
         try:
             with self.record.suspended():
                 reference = _run(model, inputs, layers, probed, targets, cotangents, generator)
-        except Exception as error:  # the unpatched model itself fails on the probe's rows: nothing to compare with
-            logger.warning("hf_memo's self-check skipped: the unpatched model fails on the probe (%r)", error)
-        if any_rank(model, reference is None or not torch.isfinite(reference.loss).all()):
-            if reference is not None:
-                logger.warning("hf_memo's self-check skipped: the unpatched model's loss on the probe is not finite")
+        except Exception as error:  # nothing to compare with: training unchecked would break the promise
+            failed = error
+        if any_rank(model, failed is not None):
+            raise self._unchecked(model, failed)
+        if any_rank(model, not torch.isfinite(reference.loss).all()):
+            logger.warning("hf_memo's self-check skipped: the unpatched model's loss on the probe is not finite")
             return
         tolerance = _tolerance(model)
         failure = self._patched_difference(model, inputs, layers, probed, targets, cotangents, reference, tolerance)
@@ -289,6 +292,20 @@ class SelfCheck:
         if any_rank(model, failure is not None) and failure is None:  # every rank takes the same way on
             failure = _Difference("the probe on another rank (see its error)", math.inf)
         return failure
+
+    def _unchecked(self, model: PreTrainedModel, failed: BaseException | None) -> SelfCheckError:
+        """The refusal of a model whose unpatched forward fails on the probe's rows (``failed``; ``None``: on
+        another rank), so that nothing can be compared."""
+        cause = f"{type(failed).__name__}: {failed}" if failed is not None else "on another rank (see its error)"
+        error = SelfCheckError(
+            f"hf_memo cannot check {type(model).__name__} (model_type {model.config.model_type!r}) with "
+            f"recompute={self.mode!r}: the unpatched model fails on the self-check's probe (the step's first "
+            f"{PROBE_TOKENS} positions of up to {PROBE_ROWS} rows) {cause}. hf_memo trains a model only after "
+            "comparing it with the unpatched one; set MemoConfig(self_check=False) to train it patched unchecked, "
+            "or train it unpatched (hf_memo.revert)"
+        )
+        error.__cause__ = failed
+        return error
 
     def _refusal(self, model: PreTrainedModel, failure: _Difference | BaseException, tolerance: float) -> Exception:
         name = f"{type(model).__name__} (model_type {model.config.model_type!r})"
@@ -497,8 +514,10 @@ def _run(
                 if index not in cotangents:
                     cotangents[index] = torch.randn(out.shape, generator=generator, dtype=torch.float64)
                 cotangent = cotangents[index].to(out.device, out.dtype)
-                if real is not None:  # padding's hidden states are not the model's output: hf_memo may zero them
-                    cotangent = cotangent * real.reshape(*real.shape, *[1] * (out.dim() - 2)).to(out)
+                axis = _token_axis(out, real)
+                if axis is not None:  # padding's hidden states are not the model's output: hf_memo may zero them
+                    shape = [1] * axis + list(real.shape) + [1] * (out.dim() - axis - 2)
+                    cotangent = cotangent * real.reshape(shape).to(out)
                 total = total + (cotangent * out).float().sum() / math.sqrt(out.numel())
             found = {id(o): seen_in_forward.get(id(o)) or dict(o.named_parameters()) for o in owners}
             named = [("the embeddings' output", t) for t in leaf[:1]]
@@ -521,13 +540,28 @@ def _real_tokens(inputs: dict[str, Any]) -> torch.Tensor | None:
     return None if mask is None or bool(mask.all()) else mask != 0
 
 
+def _token_axis(y: torch.Tensor, real: torch.Tensor | None) -> int | None:
+    """Where a layer's output ``y`` has the probe's ``(b, P)`` token axes: the first ``i`` with
+    ``y.shape[i:i + 2] == (b, P)`` (0 for ``(b, P, H)``; 1 for Gemma-3n's stack of AltUp predictions
+    ``(k, b, P, H)``), or ``None`` where every token is real or no such axes are found."""
+    if real is None:
+        return None
+    return next((i for i in range(y.dim() - 1) if tuple(y.shape[i : i + 2]) == tuple(real.shape)), None)
+
+
 def _real_rows(x: torch.Tensor, y: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's input and output ``(b, P, H)`` at the real tokens only ``(n, H)``: padding's hidden states are
-    no output of the model (hf_memo's per-sample attention gives padding queries no attention)."""
-    if real is None or tuple(y.shape[:2]) != tuple(real.shape):
+    """A layer's input and output (``(b, P, H)``, or with other axes around ``(b, P)``) at the real tokens only
+    ``(n, ...)``: padding's hidden states are no output of the model (hf_memo's per-sample attention gives padding
+    queries no attention)."""
+    axis = _token_axis(y, real)
+    if axis is None:
         return x, y
     keep = real.to(y.device)
-    return (x[keep] if x.shape == y.shape else x), y[keep]
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return t.movedim((axis, axis + 1), (0, 1))[keep]
+
+    return (kept(x) if x.shape == y.shape else x), kept(y)
 
 
 def _relative(

@@ -73,11 +73,14 @@ def refuse(model: nn.Module, reason: str) -> ValueError:
 def mlp_width(config: PretrainedConfig) -> int:
     """The widest per-token MLP intermediate ``I`` of a model with text config ``config``.
 
-    A dense MLP's ``intermediate_size`` (GPT-2: ``n_inner`` or ``4 * hidden``); a token through a mixture of
-    experts fills ``top_k`` experts' intermediates plus the shared expert's.
+    A dense MLP's ``intermediate_size`` (GPT-2: ``n_inner`` or ``4 * hidden``; the widest where it is given per
+    layer, as Gemma-3n's); a token through a mixture of experts fills ``top_k`` experts' intermediates plus the
+    shared expert's.
     """
     hidden = config.hidden_size
     dense = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    if isinstance(dense, (list, tuple)):
+        dense = max(dense)
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
     expert = getattr(config, "moe_intermediate_size", None) or getattr(config, "expert_intermediate_size", None)
     if top_k and not expert and _num_experts(config):
