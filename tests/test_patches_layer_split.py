@@ -168,3 +168,41 @@ def test_an_attention_calling_the_interface_twice_with_other_keys_is_refused():
     layer.self_attn.forward = twice.__get__(layer.self_attn)
     with pytest.raises(ValueError, match="calls the attention interface 2 times with other queries, keys"):
         GenericSplit(layer, inner, arguments, anatomy).project(x, 0, 9)
+
+
+def _falcon_layer_call(rows: int = 9, **fields):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, **fields)
+    model = FalconForCausalLM(config).double()
+    x = torch.randn(2, rows, 32, dtype=torch.float64)
+    backbone = model.transformer
+    embeddings = backbone.rotary_emb(x, torch.arange(rows)[None])
+    arguments = {"position_embeddings": embeddings, "alibi": None, "attention_mask": None}
+    return backbone.h[0], backbone.h[0].forward, LayerArguments(arguments), x
+
+
+def test_an_attention_that_calls_torch_sdpa_itself_is_split_at_that_call():
+    """Falcon's attention never calls the interface: it calls torch's SDPA under the "sdpa" name it branches on,
+    takes the mask as a required argument and returns (hidden states, None)."""
+    layer, inner, arguments, x = _falcon_layer_call()
+    split = GenericSplit(layer, inner, arguments, find_anatomy(layer, inner, arguments, x, "falcon"))
+    assert split.anatomy.direct and split.anatomy.outputs == 2
+    q, k, v = split.project(x, 0, 9)
+    assert q.shape == (2, 4, 9, 8) and k.shape == v.shape == (2, 1, 9, 8)  # multi-query: one key/value head
+    o = torch.nn.functional.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
+    o = o.transpose(1, 2).reshape(2, 9, -1)
+    got = torch.cat([split.finish(x[:, :4], o[:, :4], 0), split.finish(x[:, 4:], o[:, 4:], 4)], dim=1)
+    mask = torch.zeros(9, 9, dtype=torch.float64).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), -torch.inf)
+    want = layer(
+        x, alibi=None, attention_mask=mask[None, None], position_embeddings=arguments.arguments["position_embeddings"]
+    )
+    torch.testing.assert_close(got, want[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_layer_with_alibi_is_refused_for_its_positional_bias():
+    layer, inner, _, x = _falcon_layer_call(alibi=True)
+    alibi = torch.zeros(2 * 4, 1, 9, dtype=torch.float64)
+    with pytest.raises(ValueError, match="FalconDecoderLayer adds a positional bias to its attention scores .'alibi'"):
+        find_anatomy(layer, inner, LayerArguments({"alibi": alibi, "attention_mask": None}), x, "falcon")

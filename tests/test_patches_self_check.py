@@ -83,12 +83,11 @@ FAMILIES = {
         },
     ),
 }
-# recompute="memo" needs what these families do not give: the refusal names the true cause
+# recompute="memo" needs what these families do not give: the refusal names the true cause (Falcon, whose backbone
+# passes its layers no keyword arguments and whose attention calls torch's SDPA itself, trains under memo too)
 MEMO_REFUSALS = {
-    "falcon": "FalconModel calls its decoder layers without passing its keyword arguments on",
-    "falcon-new": "FalconModel calls its decoder layers without passing its keyword arguments on",
-    "bloom": "BloomModel calls its decoder layers without passing its keyword arguments on",
-    "mpt": "MptModel calls its decoder layers without passing its keyword arguments on",
+    "bloom": "BloomBlock adds a positional bias to its attention scores",
+    "mpt": "MptBlock adds a positional bias to its attention scores",
     "doge": "DogeAttention hands its attention function a mask it builds itself",
     "minimax": "MiniMaxLightningAttention in MiniMaxDecoderLayer does not call transformers' attention interface",
     "gemma3n": "Gemma3nTextDecoderLayer fails on the first rows of the sequence alone",

@@ -6,9 +6,10 @@ forward it replaced (see :class:`hf_memo.patches.installed.InstalledForward`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -208,12 +209,11 @@ def causal_lm_forward(
         return_dict = model.config.return_dict
     backbone = backbone_of(model)
     deferral.active, deferral.after_layers = True, False  # the norm runs per chunk in the loss: its input is kept
-    structure.described = LAYOUT_KEYWORD in arguments
     try:
-        with masks_see_packing(model.config.model_type, arguments):
+        with masks_see_packing(model.config.model_type, arguments), _layout_seen(structure, arguments):
             outputs = backbone(**arguments, **extra)
     finally:
-        deferral.active = deferral.after_layers = structure.described = False
+        deferral.active = deferral.after_layers = False
     hidden = outputs.last_hidden_state
     head, norm = model.get_output_embeddings(), model.get_submodule(structure.final_norm)
     vocab_size = model.config.get_text_config().vocab_size
@@ -272,13 +272,19 @@ def backbone_forward(
     if "use_cache" in inspect.signature(inner).parameters:
         arguments["use_cache"] = False
     arguments = describe_training_batch(model, arguments, None, {})
-    structure = self_check.structure
-    structure.described = LAYOUT_KEYWORD in arguments
+    with masks_see_packing(model.config.model_type, arguments), _layout_seen(self_check.structure, arguments):
+        return inner(**arguments)
+
+
+@contextlib.contextmanager
+def _layout_seen(structure: Structure, arguments: dict[str, Any]) -> Iterator[None]:
+    """Inside, ``structure.layout`` is the batch description among the backbone's ``arguments`` (``None``: none),
+    for decoder layers that their backbone calls without its keyword arguments; afterwards what it was."""
+    previous, structure.layout = structure.layout, arguments.get(LAYOUT_KEYWORD)
     try:
-        with masks_see_packing(model.config.model_type, arguments):
-            return inner(**arguments)
+        yield
     finally:
-        structure.described = False
+        structure.layout = previous
 
 
 def _sequence(arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -364,14 +370,8 @@ def _memo_layer_step(
         return takeover.call(layer, inner, *args, **kwargs)  # nothing to differentiate: nothing to keep
     if sequence_parallel is None:
         check_memo_not_under_deepspeed_ulysses()
-    layout = arguments.get(LAYOUT_KEYWORD)  # the step's samples; transformers' mask for them is not used
-    if layout is None and structure.described:
-        raise ValueError(
-            f"hf_memo cannot run model_type {structure.model_type!r} under recompute='memo': "
-            f"{type(structure.backbone).__name__} calls its decoder layers without passing its keyword arguments on, "
-            "so the layers never see the batch's samples (hf_memo's batch description) that the memo executor "
-            "attends by; use recompute='none', 'full' or 'selective'"
-        )
+    # the step's samples (transformers' mask for them is not used), from the backbone where it does not pass them on
+    layout = arguments.get(LAYOUT_KEYWORD, structure.layout)
     masked = layout is None and arguments.get("attention_mask") is not None
     if masked or arguments.get("encoder_hidden_states") is not None:
         raise ValueError(
@@ -404,9 +404,10 @@ def _memo_layer_step(
         core = UlyssesAttention(sequence_parallel.groups.group, sequence_parallel.size, inner)
     with outputs_not_recorded():  # calibration runs the layer on prefixes: transformers records none of it
         alpha_chunks = runtime.alpha_chunks(split, hidden, bounds, core, index)
-    return RouterLogitsSplit.recorded(
+    y = RouterLogitsSplit.recorded(
         MemoLayerFunction.apply(runtime, RouterLogitsSplit(split), core, index, bounds, alpha_chunks, hidden, *params)
     )
+    return (y, *[None] * (anatomy.outputs - 1)) if anatomy.outputs else y  # in the layer's own form
 
 
 def _keep_matmuls_and_attention(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -1,8 +1,9 @@
 """Any decoder layer cut around its attention for the memo executor, by running the layer's own code.
 
 ``project(x_rows, start, stop)`` runs the layer's forward on rows ``[start, stop)`` up to the moment its attention
-module calls transformers' attention interface, and takes ``q (B, h, s, D)``, ``k, v (B, h_kv, s, D)`` and the
-call's keyword arguments from that call (:class:`AttentionTraits`: scale, dropout, sliding window, soft-cap,
+module calls transformers' attention interface (or, where it never does, torch's ``scaled_dot_product_attention``
+directly, as Falcon's does), and takes ``q (B, h, s, D)``, ``k, v (B, h_kv, s, D)`` and the call's keyword
+arguments from that call (:class:`AttentionTraits`: scale, dropout, sliding window, soft-cap,
 sinks): whatever the layer computes before attention (an input norm or none, q/k norms, partial or no RoPE,
 fused projections) is the model's own code. ``finish(x_rows, o_rows, start)`` runs the layer's forward again on
 those rows with its attention answered by ``o_rows`` ``(B, s, h*D)``, so the residual layout (pre-norm, sandwich and
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import TorchFunctionMode
 from transformers import AttentionInterface
 from transformers.utils.output_capturing import _active_collector
 
@@ -46,6 +48,8 @@ _ANSWER = "hf_memo_answer"
 _PASSED_THROUGH = {"position_ids", "cache_position", LAYOUT_KEYWORD}
 _TRAIT_ARGUMENTS = {"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal"}
 _OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "dense", "out_proj")
+# Layer arguments that carry a bias of the attention scores by position (ALiBi: Falcon-RW, Bloom, MPT)
+_SCORE_BIASES = ("alibi", "position_bias")
 _PROBE_ROWS = 4
 
 
@@ -152,6 +156,72 @@ def _answered(attn: nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
         _answer_rows.reset(token)
 
 
+class _TorchAttentionCall(TorchFunctionMode):
+    """An attention module's direct call of torch's ``scaled_dot_product_attention`` (``q (B, h, s, D)``,
+    ``k, v (B, h_kv, s, D)`` -> ``(B, h, s, D_v)``), captured (:class:`_Captured`, its arguments in the attention
+    interface's names) or answered from :data:`_answer_rows` ``(B, s, h*D_v)`` (zeros where ``None``) without
+    computing anything. Any other function runs as it is."""
+
+    def __init__(self, capture: bool) -> None:
+        super().__init__()
+        self.capture = capture
+        self.calls = 0
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        bound = inspect.signature(_sdpa_signature).bind(*args, **kwargs).arguments
+        query, key, value = bound["query"], bound["key"], bound["value"]
+        if self.capture:
+            asked = {
+                "scaling": bound.get("scale"),
+                "dropout": bound.get("dropout_p", 0.0),
+                "is_causal": bound.get("is_causal", False),
+            }
+            raise _Captured(query, key, value, bound.get("attn_mask"), asked)
+        rows = _answer_rows.get()
+        if rows is None:
+            return query.new_zeros(*query.shape[:-1], value.shape[-1])
+        return rows.unflatten(-1, (query.shape[1], -1)).transpose(1, 2)
+
+
+def _sdpa_signature(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> None:
+    """The arguments of ``torch.nn.functional.scaled_dot_product_attention``, by which a call of it is read."""
+
+
+@contextlib.contextmanager
+def _attention_calls(attn: nn.Module, direct: bool, capture: bool, rows: torch.Tensor | None = None) -> Iterator[Any]:
+    """Inside, ``attn``'s attention calls are captured (``capture``) or answered with ``rows`` ``(B, s, h*D)``: its
+    calls of transformers' attention interface, or (``direct``) of torch's SDPA, which it then makes under the
+    ``"sdpa"`` implementation's name it branches on. Yields what counts the calls (``None`` for the interface)."""
+    if not direct:
+        if capture:
+            with _implementation(attn, _register_capture()):
+                yield None
+        else:
+            with _answered(attn, rows):
+                yield None
+        return
+    token = _answer_rows.set(rows)
+    calls = _TorchAttentionCall(capture)
+    try:
+        with _implementation(attn, "sdpa"), calls:
+            yield calls
+    finally:
+        _answer_rows.reset(token)
+
+
 @contextlib.contextmanager
 def _instance_attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
     """``obj.name`` is ``value`` inside; afterwards exactly what it was (an instance attribute or none)."""
@@ -216,6 +286,9 @@ class Anatomy:
         traits: the attention's traits in the mode of the step that found them.
         calls: how many times the attention module calls the interface, with the same queries and keys (each call's
             values side by side in ``v``; the finish answers each call its own).
+        direct: the attention module calls torch's ``scaled_dot_product_attention`` itself, not the interface.
+        outputs: the layer returns a tuple of this many entries, its hidden states first and ``None`` after them
+            (Falcon's attention weights when none are asked for); 0: it returns its hidden states alone.
     """
 
     attention_input: nn.Module | None
@@ -223,10 +296,13 @@ class Anatomy:
     own_tail: bool
     traits: AttentionTraits
     calls: int = 1
+    direct: bool = False
+    outputs: int = 0
 
 
 class LayerArguments:
-    """The decoder layer's call arguments for split calls: no mask, no cache, positions cut to rows.
+    """The decoder layer's call arguments for split calls: no mask (``None`` where the layer got one), no cache,
+    positions cut to rows.
 
     ``position_embeddings`` (``(cos, sin)``, each ``(B, S, d)``, or one complex ``(B, S, d)`` table) and
     ``position_ids`` ``(B, S)`` hold one entry per row of the step; everything else is passed as the layer got it.
@@ -234,9 +310,9 @@ class LayerArguments:
 
     def __init__(self, arguments: dict[str, Any], length: int | None = None) -> None:
         self.length = length  # the step's positions: other tensors with a row per position ``(B, S, ...)`` are cut too
-        self.arguments = {
-            k: v for k, v in arguments.items() if k not in ("hidden_states", "attention_mask", LAYOUT_KEYWORD)
-        }
+        self.arguments = {k: v for k, v in arguments.items() if k not in ("hidden_states", LAYOUT_KEYWORD)}
+        if "attention_mask" in self.arguments:  # none: hf_memo's attention attends by the step's layout
+            self.arguments["attention_mask"] = None
         for name in ("cache", "past_key_values", "past_key_value"):
             if name in self.arguments:
                 self.arguments[name] = None
@@ -274,7 +350,7 @@ class GenericSplit:
         self.output_projection = output_projection_of(self.attn)
 
     def project(self, x: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with _implementation(self.attn, _register_capture()), _expecting(self.anatomy.calls):
+        with _attention_calls(self.attn, self.anatomy.direct, capture=True), _expecting(self.anatomy.calls):
             try:
                 self.inner(hidden_states=x, **self.arguments.rows(start, stop))
             except _Captured as captured:
@@ -296,7 +372,7 @@ class GenericSplit:
         with contextlib.ExitStack() as stack:
             if self.anatomy.own_tail:
                 stack.enter_context(_expecting(self.anatomy.calls))
-                stack.enter_context(_answered(self.attn, o))
+                stack.enter_context(_attention_calls(self.attn, self.anatomy.direct, capture=False, rows=o))
                 arguments = self.arguments.rows(start, start + x.shape[1])
             else:
                 tail = self._tail(o)
@@ -304,7 +380,8 @@ class GenericSplit:
                 arguments = self.arguments.arguments
             if self.anatomy.skip_input:
                 stack.enter_context(_instance_attribute(self.anatomy.attention_input, "forward", lambda h, *a, **k: h))
-            return self.inner(hidden_states=x, **arguments)
+            out = self.inner(hidden_states=x, **arguments)
+        return out[0] if self.anatomy.outputs else out
 
     def kept(self) -> list[torch.Tensor]:
         embeddings = self.arguments.arguments.get("position_embeddings")
@@ -342,30 +419,28 @@ def find_anatomy(
         "mixer), and hf_memo's attention core computes softmax attention only; use recompute='none', 'full' or "
         "'selective'"
     )
+    bias = next((name for name in _SCORE_BIASES if isinstance(arguments.arguments.get(name), torch.Tensor)), None)
+    if bias is not None:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} adds a "
+            f"positional bias to its attention scores ({bias!r}, ALiBi), which hf_memo's attention core does not "
+            "compute; use recompute='none', 'full' or 'selective'"
+        )
     if not hasattr(attn, "config"):  # nothing to dispatch an attention implementation by
         raise not_softmax
     rows = x[:, :_PROBE_ROWS].detach()
     with torch.no_grad(), outputs_not_recorded(), rng_untouched(layer):
-        with _implementation(attn, _register_capture()):
-            try:
-                inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
-                raise not_softmax
-            except (RuntimeError, TypeError, IndexError) as error:
-                raise ValueError(
-                    f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} "
-                    f"fails on the first rows of the sequence alone ({type(error).__name__}: {error}), and memo runs "
-                    "each layer on chunks of rows (a hybrid layer's state-space mixer, or inputs of the whole "
-                    "sequence); use recompute='none', 'full' or 'selective'"
-                ) from error
-            except _Captured as captured:
-                if captured.mask is not None:  # the layer got none: it made one itself
-                    raise ValueError(
-                        f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} "
-                        "hands its attention function a mask it builds itself, which hf_memo's attention core does not "
-                        "apply; use recompute='none', 'full' or 'selective'"
-                    ) from None
-                passed = set(arguments.arguments) | _parameters(layer)
-                traits = _traits(captured.kwargs, passed, captured.qkv[0].shape[-1], model_type)
+        captured, direct = _first_attention_call(layer, inner, arguments, rows, model_type)
+        if captured is None:
+            raise not_softmax
+        if captured.mask is not None:  # the layer got none: it made one itself
+            raise ValueError(
+                f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} "
+                "hands its attention function a mask it builds itself, which hf_memo's attention core does not "
+                "apply; use recompute='none', 'full' or 'selective'"
+            )
+        passed = set(arguments.arguments) | _parameters(layer)
+        traits = _traits(captured.kwargs, passed, captured.qkv[0].shape[-1], model_type)
         outputs: dict[int, tuple[nn.Module, Any]] = {}  # by id, each output kept alive so no id is reused
         seen: dict[str, Any] = {}
 
@@ -382,15 +457,31 @@ def find_anatomy(
         handles.append(attn.register_forward_pre_hook(record_input, with_kwargs=True))
         handles.append(mlp_of(layer).register_forward_pre_hook(record_mlp_input, with_kwargs=True))
         try:
-            with _expecting(0) as counted, _answered(attn, None), eval_mode(layer):
-                inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
+            answering = _attention_calls(attn, direct, capture=False)
+            with _expecting(0) as counted, answering as calls_made, eval_mode(layer):
+                returned = inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
         finally:
             for handle in handles:
                 handle.remove()
     calls = max(counted.answered, 1)
+    returns = len(returned) if isinstance(returned, tuple) else 0
+    if any(extra is not None for extra in (returned[1:] if returns else ())):
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} returns more "
+            f"than its hidden states ({returns} outputs), which memo's executor does not compute; use "
+            "recompute='none', 'full' or 'selective'"
+        )
+    if direct and calls_made.calls > 1:
+        raise ValueError(
+            f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} calls torch's "
+            f"scaled_dot_product_attention {calls_made.calls} times per layer, where hf_memo's attention core computes "
+            "one attention per layer; use recompute='none', 'full' or 'selective'"
+        )
     source = seen["input"]
     attention_input = outputs[id(source)][0] if source is not rows and id(source) in outputs else None
-    if _projection_mixes_rows(GenericSplit(layer, inner, arguments, Anatomy(None, False, False, traits)), rows):
+    if _projection_mixes_rows(
+        GenericSplit(layer, inner, arguments, Anatomy(None, False, False, traits, direct=direct, outputs=returns)), rows
+    ):
         raise ValueError(
             f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} computes its "
             "attention's queries, keys and values from more than each token's own row (a state-space or "
@@ -400,7 +491,7 @@ def find_anatomy(
     worst = None
     candidates = _candidates(attn, attention_input, seen.get("mlp") is source) if calls == 1 else [(False, True)]
     for skip_input, own_tail in candidates:  # (several calls: only the module's own code combines them)
-        anatomy = Anatomy(attention_input, skip_input, own_tail, traits, calls)
+        anatomy = Anatomy(attention_input, skip_input, own_tail, traits, calls, direct, returns)
         worst = check_split(layer, inner, arguments, rows, anatomy)
         if worst <= split_tolerance(rows.dtype):
             return anatomy
@@ -409,6 +500,38 @@ def find_anatomy(
         f"{type(layer).__name__}, cut around its attention, differs from its own forward by {worst:.3g} "
         "(relative): it computes something hf_memo's split does not reproduce"
     )
+
+
+def _first_attention_call(
+    layer: nn.Module, inner: Callable, arguments: LayerArguments, rows: torch.Tensor, model_type: str
+) -> tuple[_Captured | None, bool]:
+    """The layer's first attention call on ``rows`` ``(B, n, H)``, captured, and whether the attention module made it
+    to torch's SDPA directly; ``(None, False)`` where it calls neither (a mixer that is not softmax attention).
+
+    The interface is tried first. A module that branches on the implementation's name (Falcon: ``== "sdpa"``)
+    takes its own path under the capturing one's name; then its direct SDPA call is tried.
+
+    Raises:
+        ValueError: the layer fails on these rows alone in both ways.
+    """
+    errors: list[BaseException] = []
+    for direct in (False, True):
+        with _attention_calls(attention_of(layer), direct, capture=True):
+            try:
+                inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
+            except _Captured as captured:
+                return captured, direct
+            except (RuntimeError, TypeError, IndexError) as error:
+                errors.append(error)
+    if not errors:
+        return None, False
+    error = errors[0]
+    raise ValueError(
+        f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(layer).__name__} fails on the "
+        f"first rows of the sequence alone ({type(error).__name__}: {error}), and memo runs each layer on chunks of "
+        "rows (a hybrid layer's state-space mixer, or inputs of the whole sequence); use recompute='none', 'full' or "
+        "'selective'"
+    ) from error
 
 
 def _projection_mixes_rows(split: GenericSplit, rows: torch.Tensor) -> bool:
@@ -517,9 +640,8 @@ def check_split(
             return math.inf
         got = torch.cat([g[0] if isinstance(g, tuple) else g for g in got], dim=1)
         with _implementation(attn, "eager"):
-            expected = inner(
-                hidden_states=rows, attention_mask=_causal_mask(n, split.traits.window, rows), **arguments.rows(0, n)
-            )
+            mask = _causal_mask(n, split.traits.window, rows)
+            expected = inner(hidden_states=rows, **{**arguments.rows(0, n), "attention_mask": mask})
     expected = expected[0] if isinstance(expected, tuple) else expected
     return _relative_difference(got, expected)
 

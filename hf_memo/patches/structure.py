@@ -49,6 +49,7 @@ class Structure:
         logits: the transform from the head's output to the model's logits (soft-capping, scales).
         output_class: the output type of the causal LM's forward.
         mlp_width: the widest per-token intermediate of an MLP ``I`` (sizes mini-sequence chunks).
+        layout: the batch description of the training forward under way (see below).
     """
 
     model_type: str
@@ -61,7 +62,9 @@ class Structure:
     mlp_width: int
     anatomies: dict[int, Any] = field(default_factory=dict)  # per layer index, found at its first memo step
     selective_saves: dict[int, frozenset] = field(default_factory=dict)  # per layer index, at its first selective step
-    described: bool = False  # the backbone runs with hf_memo's batch description among its keyword arguments
+    # the batch description (a BatchLayout) of the backbone call under way, for layers their backbone does not
+    # pass its keyword arguments to (Falcon, Bloom, MPT); None outside a described training forward
+    layout: Any = None
 
 
 def refuse(model: nn.Module, reason: str) -> ValueError:
