@@ -25,6 +25,7 @@ import contextvars
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -157,19 +158,23 @@ def _answered(attn: nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
 
 
 class _TorchAttentionCall(TorchFunctionMode):
-    """An attention module's direct call of torch's ``scaled_dot_product_attention`` (``q (B, h, s, D)``,
-    ``k, v (B, h_kv, s, D)`` -> ``(B, h, s, D_v)``), captured (:class:`_Captured`, its arguments in the attention
-    interface's names) or answered from :data:`_answer_rows` ``(B, s, h*D_v)`` (zeros where ``None``) without
-    computing anything. Any other function runs as it is."""
+    """An attention module's direct call of torch's ``scaled_dot_product_attention`` in its own forward
+    (``q (B, h, s, D)``, ``k, v (B, h_kv, s, D)`` -> ``(B, h, s, D_v)``), captured (:class:`_Captured`, its arguments
+    in the attention interface's names) or answered from :data:`_answer_rows` ``(B, s, h*D_v)`` (zeros where
+    ``None``) without computing anything. Any other function runs as it is."""
 
-    def __init__(self, capture: bool) -> None:
+    def __init__(self, owner: nn.Module, capture: bool) -> None:
         super().__init__()
-        self.capture = capture
+        self.owner, self.capture = owner, capture
         self.calls = 0
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is not nn.functional.scaled_dot_product_attention:
+        # only the attention module's own call: not transformers' SDPA interface (an interface caller run under the
+        # "sdpa" name) nor anything else of the layer
+        if func is not nn.functional.scaled_dot_product_attention or sys._getframe(1).f_locals.get("self") is not (
+            self.owner
+        ):
             return func(*args, **kwargs)
         self.calls += 1
         bound = inspect.signature(_sdpa_signature).bind(*args, **kwargs).arguments
@@ -214,7 +219,7 @@ def _attention_calls(attn: nn.Module, direct: bool, capture: bool, rows: torch.T
                 yield None
         return
     token = _answer_rows.set(rows)
-    calls = _TorchAttentionCall(capture)
+    calls = _TorchAttentionCall(attn, capture)
     try:
         with _implementation(attn, "sdpa"), calls:
             yield calls

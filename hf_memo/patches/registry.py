@@ -45,7 +45,8 @@ TESTED_OUTSIDE_CATALOG = {
     "dbrx": _EVERY_MODE,
     "diffllama": _EVERY_MODE,
     "doge": _BUT_MEMO,
-    "falcon": _BUT_MEMO,
+    "falcon": _EVERY_MODE,
+    "gemma3n_text": _BUT_MEMO,  # without KV sharing, which is refused in every mode
     "gpt_neox": _EVERY_MODE,
     "jetmoe": _EVERY_MODE,
     "llama4_text": _EVERY_MODE,
