@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import gc
 import json
 import os
 import shutil
@@ -206,6 +207,21 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every module keeps its own order
+
+
+@pytest.fixture
+def deferred_copies(monkeypatch):
+    """The memo runtime's copies carried out late, as CUDA's streams may (hf_memo/runtime/deferred_copies.py): a read
+    before its wait is garbage, and a destination freed or a host buffer handed on with a copy pending fails the
+    test (at its teardown, where nothing raised it before)."""
+    from hf_memo.runtime import deferred_copies
+
+    monkeypatch.setenv("HF_MEMO_COPY_ENGINE", "deferred")
+    deferred_copies.faults()  # none of another test's
+    yield
+    gc.collect()
+    found = deferred_copies.faults()
+    assert not found, found
 
 
 @pytest.fixture

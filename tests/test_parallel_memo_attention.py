@@ -5,6 +5,7 @@ import gc
 import weakref
 from dataclasses import replace
 
+import pytest
 import torch
 
 import hf_memo
@@ -15,6 +16,8 @@ from hf_memo.runtime.attention_traits import AttentionTraits
 from tests.conftest import make_batch
 from tests.multiprocess import run_processes
 from tests.test_parallel_causal_lm import Case, _averaged_grads, _build, _compare
+
+pytestmark = pytest.mark.usefixtures("deferred_copies")  # copies carried out late, as CUDA may
 
 BATCH, HEADS, KV_HEADS, SEQ, DIM = 1, 4, 2, 8, 16
 

@@ -16,6 +16,8 @@ from hf_memo.runtime.executor import MemoLayerFunction, project_rows
 from hf_memo.runtime.memo import MemoRuntime
 from tests.stash_recording import RecordingSource, attention_output_copies
 
+pytestmark = pytest.mark.usefixtures("deferred_copies")  # copies carried out late, as CUDA may
+
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, WIDTH = 4, 2, 3, 12, 20
 
 
@@ -176,12 +178,15 @@ def test_input_only_stashes_no_attention_output(monkeypatch, offloaded):
 def test_swapped_layer_holds_no_device_copy_of_its_input(index, freed):
     params = _params()
     split = ToySplit(params, torch.ones(16, dtype=torch.float64))
-    fn, _ = _memo(split, index, 4, 2)
+    fn, runtime = _memo(split, index, 4, 2)
     x0 = torch.randn(2, 16, HIDDEN, dtype=torch.float64, requires_grad=True)
     x = x0 * 1.0
     storage = weakref.ref(x.untyped_storage())
     y = fn(x)
     del x
+    for transport in runtime._transports.values():  # a pending copy holds its source, as record_stream on CUDA
+        if hasattr(transport.engine, "synchronize"):
+            transport.engine.synchronize()
     gc.collect()
     assert (storage() is None) == freed
     y.sum().backward()

@@ -27,7 +27,7 @@ from tests.test_patches_packing import packed_row, padded_batch
 
 # Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
 # every first step (tests/test_patches_self_check.py checks it over the catalog).
-pytestmark = pytest.mark.usefixtures("self_check_off")
+pytestmark = pytest.mark.usefixtures("self_check_off", "deferred_copies")
 
 
 def _on_host(policy):

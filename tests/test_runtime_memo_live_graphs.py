@@ -20,7 +20,7 @@ from tests.conftest import assert_same_grads, build_model, make_batch
 
 # Each test compares the patched model with the unpatched one itself: the self-check would repeat that comparison at
 # every first step (tests/test_patches_self_check.py checks it over the catalog).
-pytestmark = pytest.mark.usefixtures("self_check_off")
+pytestmark = pytest.mark.usefixtures("self_check_off", "deferred_copies")
 
 LAYERS = 6
 # Every kind of layer: X only and X + attention, on the host and on the device, several alphas.

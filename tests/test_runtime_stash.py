@@ -8,6 +8,8 @@ from hf_memo.runtime.offload import CopyEngine, HostPool
 from hf_memo.runtime.stash import ALIGN, DeviceSlots, LayerStash
 from tests.conftest import build_model, make_batch
 
+pytestmark = pytest.mark.usefixtures("deferred_copies")  # copies carried out late, as CUDA may
+
 
 def _stash(index=0, swapped=True):
     device = torch.device("cpu")

@@ -20,7 +20,7 @@ from hf_memo.runtime.executor import (  # the executor's own layout steps, so th
     _HeadRows,
     _sequence_major,
 )
-from hf_memo.runtime.offload import CopyEngine, HostPool
+from hf_memo.runtime.offload import HostPool, copy_engine
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
 GRID_STEPS = 8  # measured times and bandwidths are rounded to powers of 2 ** (1 / GRID_STEPS): steps of 9%
@@ -38,7 +38,7 @@ class _ProbeRuntime:
     """A stash source that keeps one unswapped stash, for measuring what a layer saves."""
 
     def __init__(self, device: torch.device) -> None:
-        engine = CopyEngine(device)
+        engine = copy_engine(device)
         self.stash = LayerStash(
             0,
             False,

@@ -32,7 +32,7 @@ from hf_memo.runtime.calibration import (
     time_layer_forward,
 )
 from hf_memo.runtime.executor import AttentionCore, LayerSplit
-from hf_memo.runtime.offload import CopyEngine, HostPool
+from hf_memo.runtime.offload import HostPool, copy_engine
 from hf_memo.runtime.stash import DeviceSlots, LayerStash
 
 logger = logging.getLogger(__name__)
@@ -135,8 +135,8 @@ class _Transport:
     def __init__(
         self, device: torch.device, arena: Arena | None, host_limit: int | None = None, planned: bool = False
     ) -> None:
-        self.engine = CopyEngine(device)
-        self.pool = HostPool(device, limit=host_limit)
+        self.engine = copy_engine(device)
+        self.pool = HostPool(device, limit=host_limit, copies=self.engine)
         self.prefetch = DeviceSlots(PREFETCH_SLOTS, device, self.engine, arena, planned)
 
 

@@ -13,6 +13,7 @@ rounded up to a page, and unpinning gives it back to the system.
 from __future__ import annotations
 
 import mmap
+import os
 import warnings
 import weakref
 from typing import Any, Protocol
@@ -100,12 +101,15 @@ class HostPool:
     Args:
         memory: where buffers come from; by default pinned memory for CUDA, plain memory otherwise.
         limit: the bytes the pool may hold (``MemoConfig.host_memory_limit``); ``None``: no limit.
+        copies: the copy engine, asked whether a buffer given back or taken again still has a copy pending.
     """
 
-    def __init__(self, device: torch.device, memory: HostMemory | None = None, limit: int | None = None) -> None:
+    def __init__(
+        self, device: torch.device, memory: HostMemory | None = None, limit: int | None = None, copies: Any = None
+    ) -> None:
         if memory is None:
             memory = RegisteredMemory(device=device) if device.type == "cuda" else PlainMemory()
-        self.memory, self.limit = memory, limit
+        self.memory, self.limit, self.copies = memory, limit, copies
         self._free: list[torch.Tensor] = []
         self._held: dict[int, int] = {}  # id(buffer) -> bytes held
         self._used: set[int] = set()  # ids of the buffers acquired since the last end_step
@@ -121,6 +125,8 @@ class HostPool:
         fitting = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= largest]
         if fitting:
             buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+            if self.copies is not None:
+                self.copies.check_unused(buffer, "taken again from the host pool")
         else:
             buffer, held = self._allocate(nbytes, max(nbytes, capacity))
             mark_host(buffer)
@@ -159,6 +165,8 @@ class HostPool:
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give a buffer from :meth:`acquire` back for reuse."""
+        if self.copies is not None:
+            self.copies.check_unused(buffer, "given back to the host pool")
         self.in_use_bytes -= buffer.numel()
         self._free.append(buffer)
 
@@ -223,3 +231,23 @@ class CopyEngine:
     def mark(self) -> torch.cuda.Event | None:
         """An event at the compute stream's current position (``None`` on CPU)."""
         return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+
+    def check_unused(self, buffer: torch.Tensor, action: str) -> None:
+        """Whether a pending copy uses ``buffer``: not known to the streams (the deferred engine checks it)."""
+
+
+COPY_ENGINE_ENV = "HF_MEMO_COPY_ENGINE"
+"""``deferred``: CPU runs copy through :class:`~hf_memo.runtime.deferred_copies.DeferredCopies` (tests)."""
+
+
+def copy_engine(device: torch.device) -> Any:
+    """The copy engine of ``device``: :class:`CopyEngine`, or on the CPU with ``HF_MEMO_COPY_ENGINE=deferred`` the
+    stand-in for CUDA's streams that carries copies out late (:mod:`hf_memo.runtime.deferred_copies`)."""
+    choice = os.environ.get(COPY_ENGINE_ENV, "")
+    if choice not in ("", "deferred"):
+        raise ValueError(f"{COPY_ENGINE_ENV}={choice!r}: expected 'deferred' or nothing")
+    if choice == "deferred" and device.type == "cpu":
+        from hf_memo.runtime.deferred_copies import DeferredCopies
+
+        return DeferredCopies(device)
+    return CopyEngine(device)

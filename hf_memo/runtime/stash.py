@@ -135,6 +135,14 @@ class DeviceSlots:
         return sum(b.numel() for buffers in self._buffers for b in buffers)
 
 
+def _give_back(pool: HostPool, engine: CopyEngine, host: torch.Tensor, latest: list) -> None:
+    """Give a stash's host buffer back to ``pool`` once the stash's ``latest`` copies are done (on CUDA the compute
+    stream waits for them): the buffer's next owner must not meet a copy of this stash still reading or writing it."""
+    for event in latest:
+        engine.wait(event)
+    pool.release(host)
+
+
 class LayerStash:
     """Saved tensors of one layer: on the device until :meth:`seal`, then on the host if ``swapped``.
 
@@ -167,6 +175,8 @@ class LayerStash:
         self._return_host = lambda: None  # gives the host buffer back to the pool, once
         self._stored: torch.cuda.Event | None = None  # the device-to-host copy
         self._fetched: torch.cuda.Event | None = None
+        # the latest device-to-host and host-to-device copies of this stash: waited on before their memory goes
+        self._latest: list[torch.cuda.Event | None] = [None, None]
         self._slot_buffers: list[torch.Tensor] | None = None  # the fetched parts (see _parts)
         self._pieces: list[tuple[int, torch.Tensor]] = []  # (first byte, bytes) fetched ahead in pieces
         self._read_in_views: set[int] = set()  # storages fetched one saved view at a time, laid out last
@@ -233,9 +243,9 @@ class LayerStash:
             )
             return
         for whole, view in zip(self._storages, self._views([self._host])):
-            self._stored = self._engine.to_host(view, whole)
+            self._stored = self._latest[0] = self._engine.to_host(view, whole)
         # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
-        self._return_host = weakref.finalize(self, self._pool.release, self._host)
+        self._return_host = weakref.finalize(self, _give_back, self._pool, self._engine, self._host, self._latest)
         self._storages = []
 
     def _parts(self) -> list[tuple[int, int]]:
@@ -255,7 +265,7 @@ class LayerStash:
         if (nbytes is None or self._prefetch.planned) and not self._pieces:
             parts, buffers = self._acquire_buffers()
             for buffer, (start, stop) in zip(buffers, parts):
-                self._fetched = self._engine.to_device(buffer, self._host[start:stop], self._stored)
+                self._fetched = self._latest[1] = self._engine.to_device(buffer, self._host[start:stop], self._stored)
             self._slot_buffers = buffers
             return
         start = self._pieces[-1][0] + self._pieces[-1][1].numel() if self._pieces else 0
@@ -263,7 +273,7 @@ class LayerStash:
         stop = last if nbytes is None else min(last, nbytes)
         if stop > start:
             piece = torch.empty(stop - start, dtype=torch.uint8, device=self._prefetch.device)
-            self._fetched = self._engine.to_device(piece, self._host[start:stop], self._stored)
+            self._fetched = self._latest[1] = self._engine.to_device(piece, self._host[start:stop], self._stored)
             self._pieces.append((start, piece))
 
     def _acquire_buffers(self) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
@@ -290,6 +300,7 @@ class LayerStash:
         """The prefetch slot holding this stash's bytes went to another stash (or back to the arena): a swapped
         stash fetches again from the host when it is next rebuilt."""
         if self.swapped:
+            self._engine.wait(self._latest[1])  # no copy may still write the buffers and pieces dropped here
             self._storages, self._slot_buffers, self._fetched, self._pieces = [], None, None, []
             self._view_fetches = {}
 
@@ -325,7 +336,7 @@ class LayerStash:
         span = 1 + sum((n - 1) * stride for n, stride in zip(ref.shape, ref.stride)) if all(ref.shape) else 0
         first = self._layout[ref.index][0] + ref.offset * size
         piece = torch.empty(span * size, dtype=torch.uint8, device=self._prefetch.device)
-        fetched = self._engine.to_device(piece, self._host[first : first + span * size], self._stored)
+        fetched = self._latest[1] = self._engine.to_device(piece, self._host[first : first + span * size], self._stored)
         view = torch.as_strided(piece.view(ref.dtype), ref.shape, ref.stride, 0)
         self._view_fetches[ref] = (view, fetched)
 
@@ -338,6 +349,7 @@ class LayerStash:
         if keep:
             self.evict()
             return
+        self._engine.wait(self._latest[1])  # no copy may still write the buffers and pieces dropped here
         self._return_host()
         self._storages, self._host, self._slot_buffers, self._pieces, self._freed = [], None, None, [], True
         self._view_fetches = {}
