@@ -1,10 +1,13 @@
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memo.profiler.kernel_workspace import CUDA, PROFILED_TARGET, KernelTarget
+from hf_memo.profiler import kernel_workspace
+from hf_memo.profiler.kernel_workspace import CUDA, PROFILED_TARGET, KernelTarget, cpu_flash_takes_grouped_kv
 from hf_memo.runtime import attention_core, flash_attn_package
 from hf_memo.runtime.attention_core import (
     attention_backward,
@@ -74,7 +77,8 @@ class _KernelArgs(TorchDispatchMode):
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_grouped_kv_reach_the_cpu_kernels_unexpanded_and_gradients_stay_exact(dropout_p):
-    """torch 2.13's CPU flash kernel (and the dropout path) take h_kv < h: K/V are not copied per query head."""
+    """A CPU flash kernel that takes h_kv < h (its probe says so; every release in the tested range does) and the
+    dropout path get K/V unexpanded: they are not copied per query head."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 21, 6, 8, dtype=torch.float64, generator=gen).transpose(1, 2)  # as the executor lays it out
     k, v = (torch.randn(2, 21, 2, 8, dtype=torch.float64, generator=gen).transpose(1, 2) for _ in range(2))
@@ -85,8 +89,9 @@ def test_grouped_kv_reach_the_cpu_kernels_unexpanded_and_gradients_stay_exact(dr
         out, stats = attention_forward(q, k, v, AttentionTraits(0.3, dropout_p))
         dq, dk, dv, _ = attention_backward(upstream, q, k, v, out, stats, AttentionTraits(0.3, dropout_p))
     if dropout_p == 0:
-        assert recorded.calls[flash] == [[q.shape, k.shape, v.shape]]
-        assert recorded.calls[flash_backward][0][2:4] == [k.shape, v.shape]
+        kv_shape = k.shape if cpu_flash_takes_grouped_kv() else q.shape  # else expanded to every query head
+        assert recorded.calls[flash] == [[q.shape, kv_shape, kv_shape]]
+        assert recorded.calls[flash_backward][0][2:4] == [kv_shape, kv_shape]
         keep = torch.ones(2, 6, 21, 21, dtype=torch.bool)
     else:
         assert recorded.calls == {flash: [], flash_backward: []}
@@ -143,9 +148,25 @@ def test_backend_selection_and_which_kernels_need_kv_expansion(monkeypatch):
         False,
         True,
     ]
-    assert not needs_kv_expansion("cpu-flash")  # torch 2.13, the version the suite runs
-    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    # the CPU flash kernel: as the probe of this PyTorch finds, and expanded for one that refuses grouped K/V
+    assert needs_kv_expansion("cpu-flash") == (not cpu_flash_takes_grouped_kv())
+    monkeypatch.setattr(kernel_workspace, "cpu_flash_takes_grouped_kv", lambda: False)
     assert needs_kv_expansion("cpu-flash")
+
+
+def test_the_grouped_kv_probe_runs_real_kernels_outside_the_active_modes_and_a_refusal_is_a_no(monkeypatch):
+    """The probe may first run inside a fake profile or a recorder: it answers as outside them and records nothing."""
+    probe = inspect.unwrap(cpu_flash_takes_grouped_kv)  # uncached
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with FakeTensorMode(), _KernelArgs(flash) as recorded:
+        assert probe() == cpu_flash_takes_grouped_kv()
+    assert recorded.calls == {flash: []}
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("number of heads in key/value must equal the number of heads in query")
+
+    monkeypatch.setattr(kernel_workspace, "_FORWARD", refuse)
+    assert not probe()
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])

@@ -37,6 +37,7 @@ brings (a masked call is assumed to run the memory-efficient kernel).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -45,12 +46,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 KERNELS = ("flash-attn", "cuda-flash", "cuda-efficient", "cpu")
 HALF = (torch.float16, torch.bfloat16)
 H100_SMS = 132  # streaming multiprocessors of an H100 SXM / H200 (compute capability 9.0)
 FLASH_HEAD_DIMS = range(8, 257, 8)  # head sizes the CUDA flash kernels take without padding
-CPU_FLASH_GQA_SINCE = (2, 13)  # torch release whose CPU flash kernel was checked to take h_kv < h heads
 
 
 def flash_eligible(dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None) -> bool:
@@ -64,10 +65,46 @@ def flash_eligible(dtype: torch.dtype, head_dim: int, capability: tuple[int, int
     )
 
 
+@torch.compiler.disable
+@functools.cache
+def cpu_flash_takes_grouped_kv() -> bool:
+    """Whether this PyTorch's CPU flash kernel takes K/V with fewer heads than the queries (``h_kv < h``).
+
+    Asked of the kernel, not of the version: one small float64 call of its forward and backward on 4 query heads and
+    2 KV heads, against the same calls on K/V expanded to every query head (dK/dV summed back per group). Any error,
+    shape or value that differs is a no. Run once per process, outside any fake-tensor or other dispatch mode (a
+    fake profile or an allocation recorder may be active at the first call), then cached.
+    """
+    with _disable_current_modes(), torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        q, grad_out = (torch.randn(1, 4, 5, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+        k_full, v_full = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        try:
+            out, lse = _FORWARD(q, k, v, 0.0, True, scale=0.3)
+            dq, dk, dv = _BACKWARD(grad_out, q, k, v, out, lse, 0.0, True, scale=0.3)
+        except (RuntimeError, ValueError, NotImplementedError):
+            return False
+        out_full, lse_full = _FORWARD(q, k_full, v_full, 0.0, True, scale=0.3)
+        dq_full, dk_full, dv_full = _BACKWARD(grad_out, q, k_full, v_full, out_full, lse_full, 0.0, True, scale=0.3)
+        grouped = (out, lse, dq, dk, dv)
+        expected = (
+            out_full,
+            lse_full,
+            dq_full,
+            dk_full.unflatten(1, (2, 2)).sum(2),
+            dv_full.unflatten(1, (2, 2)).sum(2),
+        )
+        return all(
+            a.shape == b.shape and torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(grouped, expected)
+        )
+
+
 def needs_kv_expansion(backend: str) -> bool:
-    """Whether ``backend`` needs K/V expanded to the query heads (it does not take ``h_kv < h`` natively)."""
+    """Whether ``backend`` needs K/V expanded to the query heads (it does not take ``h_kv < h`` natively); for the
+    CPU flash kernel, what :func:`cpu_flash_takes_grouped_kv` finds."""
     if backend == "cpu-flash":
-        return tuple(int(part) for part in torch.__version__.split(".")[:2]) < CPU_FLASH_GQA_SINCE
+        return not cpu_flash_takes_grouped_kv()
     return backend == "cuda-efficient"
 
 

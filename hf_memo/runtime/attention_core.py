@@ -31,9 +31,10 @@ kernels allocate their output like ``q``. The executor therefore hands in views 
 memory, so the output's rows ``(B, S, h * D)`` are a view, never a second copy.
 
 Grouped-query attention (``h_kv < h``): the flash kernels (PyTorch's CUDA flash, flash-attn) and the
-explicit path take K/V with ``h_kv`` heads; PyTorch's CPU flash kernel does so from torch 2.13 (checked
-here against explicit math, forward and backward); the memory-efficient kernel requires equal head counts,
-so K/V are expanded for it and dK/dV summed back per group (:func:`needs_kv_expansion`).
+explicit path take K/V with ``h_kv`` heads; PyTorch's CPU flash kernel does so where a probe of it finds that it
+does (:func:`~hf_memo.profiler.kernel_workspace.cpu_flash_takes_grouped_kv`: every release from 2.11 to 2.14);
+the memory-efficient kernel requires equal head counts, so K/V are expanded for it (and for a CPU flash kernel
+that refuses them) and dK/dV summed back per group (:func:`needs_kv_expansion`).
 """
 
 from __future__ import annotations
