@@ -1,11 +1,20 @@
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from hf_memo.profiler.workers import run_side_by_side, usable_cpus
+from hf_memo.profiler import workers
+from hf_memo.profiler.workers import forked_autograd_works, run_side_by_side, usable_cpus
+
+
+@pytest.fixture
+def forking(monkeypatch):
+    """Forked workers, as where children can run autograd (these jobs run none). An earlier test of this process
+    may have made them unable to (see :func:`forked_autograd_works`), and the jobs would then run here."""
+    monkeypatch.setattr(workers, "forked_autograd_works", lambda: True)
 
 
 def _job(value, pause=0.0):
@@ -25,11 +34,45 @@ def test_results_come_back_in_the_jobs_order_with_each_reported_once():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux only")
-def test_jobs_run_in_forked_workers_and_one_worker_runs_them_here():
+def test_jobs_run_in_forked_workers_and_one_worker_runs_them_here(forking):
     here = os.getpid()
     apart = run_side_by_side([_job(i, pause=0.05) for i in range(4)], workers=2)
     assert all(pid != here for _, pid in apart)
     assert {pid for _, pid in run_side_by_side([_job(i) for i in range(3)], workers=1)} == {here}
+
+
+FAKE_BACKWARD_THEN_JOBS = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from hf_memo.profiler.workers import run_side_by_side
+
+def job(seed):
+    def run():
+        x = torch.arange(3.0, requires_grad=True)
+        (x * seed).sum().backward()
+        return x.grad.tolist()
+    return run
+
+with FakeTensorMode():
+    x = torch.empty(3, requires_grad=True)
+    (x * 2).sum().backward()
+print(run_side_by_side([job(i) for i in range(3)], workers=2))
+"""
+
+
+def test_jobs_that_run_autograd_come_back_after_a_fake_tensor_backward_here():
+    """With a PyTorch built with CUDA, a fake-tensor backward leaves every child forked afterwards unable to run
+    autograd: the jobs then run in the asking process, with the same results. In a process of its own, as that
+    backward changes every later run of the process that ran it."""
+    ran = subprocess.run([sys.executable, "-c", FAKE_BACKWARD_THEN_JOBS], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == str([[float(i)] * 3 for i in range(3)])
+
+
+def test_where_forked_children_cannot_run_autograd_the_jobs_run_here(monkeypatch):
+    monkeypatch.setattr(workers, "_FORKED_AUTOGRAD_FAILED", True)
+    assert not forked_autograd_works()
+    assert {pid for _, pid in run_side_by_side([_job(i) for i in range(3)], workers=2)} == {os.getpid()}
 
 
 def test_a_jobs_error_is_raised_in_the_caller():
@@ -41,7 +84,7 @@ def test_a_jobs_error_is_raised_in_the_caller():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked on Linux only")
-def test_a_worker_that_dies_is_an_error_not_a_wait():
+def test_a_worker_that_dies_is_an_error_not_a_wait(forking):
     def killed():
         os.kill(os.getpid(), signal.SIGKILL)
 
