@@ -138,10 +138,12 @@ class DeferredCopies:
         for stream in (self.d2h, self.h2d):
             for copy in stream.pending:
                 if copy.destination() is storage or copy.source.untyped_storage() is storage:
-                    raise PendingCopyError(
+                    message = (
                         f"a host buffer is {action} while a {copy.what} copy of the {stream.name} stream still uses "
                         "it: on CUDA its next owner's data would be overwritten or copied"
                     )
+                    _RECORDED.append(message)  # also for a teardown's check: a finalizer swallows what it raises
+                    raise PendingCopyError(message)
 
     def _queue(
         self,
