@@ -525,7 +525,7 @@ def _first_attention_call(
             try:
                 inner(hidden_states=rows, **arguments.rows(0, rows.shape[1]))
             except _Captured as captured:
-                return captured, direct
+                return captured.with_traceback(None), direct  # no frame cycle keeping the layer's tensors alive
             except (RuntimeError, TypeError, IndexError) as error:
                 errors.append(error)
     if not errors:
