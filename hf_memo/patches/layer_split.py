@@ -177,7 +177,7 @@ class _TorchAttentionCall(TorchFunctionMode):
         ):
             return func(*args, **kwargs)
         self.calls += 1
-        bound = inspect.signature(_sdpa_signature).bind(*args, **kwargs).arguments
+        bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         query, key, value = bound["query"], bound["key"], bound["value"]
         if self.capture:
             asked = {
@@ -203,6 +203,9 @@ def _sdpa_signature(
     enable_gqa: bool = False,
 ) -> None:
     """The arguments of ``torch.nn.functional.scaled_dot_product_attention``, by which a call of it is read."""
+
+
+_SDPA_SIGNATURE = inspect.signature(_sdpa_signature)  # read once: a Falcon layer's split calls SDPA per chunk
 
 
 @contextlib.contextmanager
