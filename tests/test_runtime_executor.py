@@ -1,6 +1,7 @@
 """The memo layer function against plain autograd on a small pure-torch layer."""
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -14,6 +15,7 @@ from hf_memo.runtime.attention_core import LocalAttention, expand_kv
 from hf_memo.runtime.attention_traits import AttentionTraits
 from hf_memo.runtime.executor import MemoLayerFunction, project_rows
 from hf_memo.runtime.memo import MemoRuntime
+from hf_memo.runtime.stash import LayerStash
 from tests.stash_recording import RecordingSource, attention_output_copies
 
 pytestmark = pytest.mark.usefixtures("deferred_copies")  # copies carried out late, as CUDA may
@@ -333,3 +335,47 @@ def test_the_input_gradient_takes_the_inputs_memory_only_where_nothing_else_read
     # copy to the host, so that buffer may sit at the same address: no address tells the two apart there.)
     if index == 2:
         assert (_Copy.addresses["grad"] == _Copy.addresses["output"]) == (not held)
+
+
+def _view_fetches(monkeypatch):
+    """Every fetch of a view of a storage read in views (a chunk's attention-output rows, or a view inside them),
+    as ``(ref, bytes copied to the device for it)``, in order."""
+    fetches = []
+    fetch_view = LayerStash.fetch_view
+
+    def counting(stash, ref):
+        copied, engine = [], stash._engine
+        to_device = engine.to_device
+        engine.to_device = lambda dst, src, after=None: copied.append(dst.nbytes) or to_device(dst, src, after)
+        try:
+            fetch_view(stash, ref)
+        finally:
+            del engine.to_device
+        if copied:
+            fetches.append((ref, sum(copied)))
+
+    monkeypatch.setattr(LayerStash, "fetch_view", counting)
+    return fetches
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_chunk_of_the_kept_attention_output_comes_from_the_host_with_its_own_bytes_only(monkeypatch, batch):
+    """A chunk's rows ``(B, h, rows, D)`` of the ``(B, S, h, D)`` attention output are ``B`` runs of host memory: the
+    fetch copies those (one copy per sequence), not the span from the first sequence's rows to the last's, which
+    for ``B = 2`` is ``S + rows`` rows of every head; gradients stay exact."""
+    seq, chunks = 16, 4
+    params = _params()
+    split = ToySplit(params, torch.linspace(0.5, 1.5, seq, dtype=torch.float64))
+    x = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
+    want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
+    fetches = _view_fetches(monkeypatch)
+    fn, _ = _memo(split, 0, chunks, 2)  # layer 0: on the host, every chunk's rows fetched in backward
+    got_y, got_grads = _run(fn, x, params, upstream)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    rows = seq // chunks
+    chunk_rows = [nbytes for ref, nbytes in fetches if ref.shape == (batch, HEADS, rows, HEAD_DIM)]
+    assert chunk_rows == [batch * HEADS * rows * HEAD_DIM * 8] * chunks
+    assert all(nbytes == math.prod(ref.shape) * ref.dtype.itemsize for ref, nbytes in fetches)

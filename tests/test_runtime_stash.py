@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_memo
-from hf_memo.runtime.offload import CopyEngine, HostPool
+from hf_memo.runtime.offload import CopyEngine, HostPool, copy_engine
 from hf_memo.runtime.stash import ALIGN, DeviceSlots, LayerStash
 from tests.conftest import build_model, make_batch
 
@@ -168,6 +168,33 @@ def test_a_storage_read_in_views_comes_one_view_at_a_time_and_not_with_the_prefe
     assert copies == (
         [_aligned_bytes(12 * 16 * 2), _aligned_bytes(4 * 12), 3 * row, 4 * row, 5 * row, 12 * row] if swapped else []
     )
+    stash.release()
+
+
+def test_a_view_read_from_the_host_takes_its_own_bytes_only_one_copy_per_run():
+    """Views of a ``(B, S, h, D)`` attention output read from the host one at a time: each fetch copies the view's
+    own bytes, one copy per run of consecutive ones (a chunk's rows: one per sequence), never the span between
+    its first and last byte, and rebuilds it with its values (copies carried out late under the deferred engine)."""
+    device = torch.device("cpu")
+    engine = copy_engine(device)
+    copies = []
+    to_device = engine.to_device
+    engine.to_device = lambda dst, src, after=None: copies.append(dst.nbytes) or to_device(dst, src, after)
+    stash = LayerStash(1, True, engine, HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine))
+    out = torch.randn(2, 12, 4, 8, dtype=torch.float64).transpose(1, 2)  # (B, h, S, D) view of (B, S, h, D)
+    stash.add(torch.randn(2, 12, 16, dtype=torch.float64))  # the layer input, first: fetched with the buffers
+    stash.add(out, read_in_views=True)
+    views = [out[:, :, 0:5], out[:, :, 5:12], out[1, :, 3:7], out[:, 1:3, 2:5]]  # chunks, a sequence's, some heads
+    refs = [stash.add(view) for view in views]
+    want = [view.clone() for view in views]
+    stash.seal()
+    runs = [[5 * 4 * 8 * 8] * 2, [7 * 4 * 8 * 8] * 2, [4 * 4 * 8 * 8], [2 * 8 * 8] * 6]  # bytes of each copy
+    stash.prefetch()
+    for ref, value, copied in zip(refs, want, runs):
+        copies.clear()
+        rebuilt = stash.rebuild(ref)
+        assert copies == copied and sum(copied) == value.numel() * 8
+        assert rebuilt.shape == value.shape and torch.equal(rebuilt, value)
     stash.release()
 
 

@@ -135,6 +135,32 @@ class DeviceSlots:
         return sum(b.numel() for buffers in self._buffers for b in buffers)
 
 
+def _runs(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, list[int]]:
+    """The elements of a view of ``shape`` and ``stride`` (in elements, not overlapping) as runs of consecutive
+    elements of its storage: ``(elements per run, each run's first element from the view's first)``, in memory order
+    (e.g. a ``(B, h, rows, D)`` view of ``(B, S, h, D)`` memory: ``B`` runs of ``rows * h * D``)."""
+    if 0 in shape:
+        return 0, []
+    dims = sorted(((step, size) for size, step in zip(shape, stride) if size > 1), reverse=True)  # outermost first
+    run = 1
+    while dims and dims[-1][0] == run:  # the innermost dimensions that continue one another make one run
+        run *= dims.pop()[1]
+    starts = [0]
+    for step, size in dims:
+        starts = [start + i * step for start in starts for i in range(size)]
+    return run, starts
+
+
+def _dense_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dimensions are in the memory order of ``stride`` (the
+    runs of :func:`_runs` side by side)."""
+    dense, step = [1] * len(shape), 1
+    for dim in sorted(range(len(shape)), key=lambda d: stride[d]):  # innermost first
+        dense[dim] = step
+        step *= shape[dim]
+    return tuple(dense)
+
+
 def _give_back(pool: HostPool, engine: CopyEngine, host: torch.Tensor, latest: list) -> None:
     """Give a stash's host buffer back to ``pool`` once the stash's ``latest`` copies are done (on CUDA the compute
     stream waits for them): the buffer's next owner must not meet a copy of this stash still reading or writing it."""
@@ -327,17 +353,24 @@ class LayerStash:
 
     def fetch_view(self, ref: StashRef) -> None:
         """Start copying the bytes of ``ref``'s view of a swapped storage read in views into a device tensor of their
-        own, which its next :meth:`rebuild` returns (no-op for any other storage, or if on its way)."""
+        own, which its next :meth:`rebuild` returns (no-op for any other storage, or if on its way). Only the view's
+        own bytes come, one copy per run of consecutive ones: a chunk's rows ``(B, h, rows, D)`` of ``(B, S, h, D)``
+        memory are ``B`` runs, not the span from the first sequence's rows to the last's. The tensor is dense, its
+        dimensions in the view's memory order."""
         if ref in self._view_fetches or ref.index not in self._read_in_views or not self.swapped:
             return
         if self._host is None:
             raise RuntimeError(f"layer {self.index}'s memo stash has no host copy to fetch a view from")
         size = ref.dtype.itemsize
-        span = 1 + sum((n - 1) * stride for n, stride in zip(ref.shape, ref.stride)) if all(ref.shape) else 0
+        run, starts = _runs(ref.shape, ref.stride)
         first = self._layout[ref.index][0] + ref.offset * size
-        piece = torch.empty(span * size, dtype=torch.uint8, device=self._prefetch.device)
-        fetched = self._latest[1] = self._engine.to_device(piece, self._host[first : first + span * size], self._stored)
-        view = torch.as_strided(piece.view(ref.dtype), ref.shape, ref.stride, 0)
+        piece = torch.empty(run * len(starts) * size, dtype=torch.uint8, device=self._prefetch.device)
+        fetched = None
+        for place, start in enumerate(starts):  # e.g. one run per sequence of a chunk's rows (B, h, rows, D)
+            host = self._host[first + start * size : first + (start + run) * size]
+            part = piece[place * run * size : (place + 1) * run * size]
+            fetched = self._latest[1] = self._engine.to_device(part, host, self._stored)
+        view = torch.as_strided(piece.view(ref.dtype), ref.shape, _dense_stride(ref.shape, ref.stride), 0)
         self._view_fetches[ref] = (view, fetched)
 
     def release(self, keep: bool = False) -> None:
