@@ -3,6 +3,7 @@
 import gc
 import math
 import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -379,3 +380,24 @@ def test_a_chunk_of_the_kept_attention_output_comes_from_the_host_with_its_own_b
     chunk_rows = [nbytes for ref, nbytes in fetches if ref.shape == (batch, HEADS, rows, HEAD_DIM)]
     assert chunk_rows == [batch * HEADS * rows * HEAD_DIM * 8] * chunks
     assert all(nbytes == math.prod(ref.shape) * ref.dtype.itemsize for ref, nbytes in fetches)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_each_kept_chunk_fetches_its_attention_output_rows_once(monkeypatch, batch):
+    """A chunk whose finish graph was kept in forward reads its attention-output rows twice in backward: for the
+    attention backward, and as the rows ``(s, h * D)`` of each sequence its o-projection saved. Both come from one
+    fetch (the chunk's rows held on the device while its graph runs), not one more synchronous fetch per sequence."""
+    seq, chunks = 16, 4
+    params = _params()
+    split = ToySplit(params, torch.linspace(0.5, 1.5, seq, dtype=torch.float64))
+    x = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
+    want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
+    fetches = _view_fetches(monkeypatch)
+    fn, _ = _memo(split, 0, chunks, chunks)  # layer 0: on the host, every chunk's finish graph kept in forward
+    got_y, got_grads = _run(fn, x, params, upstream)
+    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    first_rows = Counter(ref.offset // (HEADS * HEAD_DIM) % seq for ref, _ in fetches)
+    assert first_rows == {start: 1 for start, _ in chunk_bounds(seq, chunks)}

@@ -198,6 +198,35 @@ def test_a_view_read_from_the_host_takes_its_own_bytes_only_one_copy_per_run():
     stash.release()
 
 
+def test_a_held_view_serves_the_views_inside_one_of_its_runs_until_dropped():
+    """A chunk's rows held on the device (``hold_view``) serve the saved views that lie inside one of its runs (a
+    sequence's rows of the chunk, as the o-projection saves them) without a copy; a view across two runs, or any
+    view once the rows are dropped, is fetched. Values stay exact (copies carried out late under the deferred
+    engine)."""
+    device = torch.device("cpu")
+    engine = copy_engine(device)
+    copies = []
+    to_device = engine.to_device
+    engine.to_device = lambda dst, src, after=None: copies.append(dst.nbytes) or to_device(dst, src, after)
+    stash = LayerStash(1, True, engine, HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine))
+    stash.add(torch.randn(2, 12, 16, dtype=torch.float64))
+    out = torch.randn(2, 12, 4, 8, dtype=torch.float64).transpose(1, 2)  # (B, h, S, D) view of (B, S, h, D)
+    stash.add(out, read_in_views=True)
+    rows = out.transpose(1, 2).reshape(2, 12, 32)  # (B, S, h * D), a view
+    chunk, inside, across = (stash.add(v) for v in (out[:, :, 4:8], rows[1, 5:8], rows[:, 5:7]))
+    want = [v.clone() for v in (out[:, :, 4:8], rows[1, 5:8], rows[:, 5:7])]
+    stash.seal()
+    stash.prefetch()
+    for ref, value, copied in ((chunk, want[0], 2), (inside, want[1], 0), (across, want[2], 2)):
+        copies.clear()
+        got = stash.hold_view(ref) if ref is chunk else stash.rebuild(ref)
+        assert len(copies) == copied and torch.equal(got, value)
+    stash.drop_view(chunk)
+    copies.clear()
+    assert torch.equal(stash.rebuild(inside), want[1]) and copies == [3 * 32 * 8]
+    stash.release()
+
+
 def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it():
     """Two graphs' stashes of the same layer take turns in one prefetch slot: the holder that lost the slot
     must not read the other's bytes."""

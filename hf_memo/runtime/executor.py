@@ -514,7 +514,9 @@ def _chunk_backward(ctx, chunk, x, keys, key_sums, out, lse, grad_x, grad_y, gra
     if ctx.keep_attention:
         if chunk > 0:  # the next chunk's output rows come from the host while this one runs
             ctx.stash.fetch_view(ctx.o_row_refs[chunk - 1])
-        out_rows, lse_rows = ctx.stash.rebuild(ctx.o_row_refs[chunk])[:, :, : stop - start], lse[:, :, start:stop]
+        # held until the chunk's attention backward: its finish graph's saved rows (o_proj's input) are read from it
+        out_rows = ctx.stash.hold_view(ctx.o_row_refs[chunk])[:, :, : stop - start]
+        lse_rows = lse[:, :, start:stop]
     else:
         mark_part("attention forward")
         out_rows, lse_rows = block_forward(q_rows, *prefix, start, traits)
@@ -527,6 +529,8 @@ def _chunk_backward(ctx, chunk, x, keys, key_sums, out, lse, grad_x, grad_y, gra
     grad_out = grad_o.view(*grad_o.shape[:2], q_rows.shape[1], -1).transpose(1, 2)
     dq, dsinks = block_backward(grad_out, q_rows, *prefix, out_rows, lse_rows, start, traits, key_sums)
     del grad_o, grad_out, out_rows, lse_rows, q_rows
+    if ctx.keep_attention:
+        ctx.stash.drop_view(ctx.o_row_refs[chunk])
     _add_sinks_grad(sums, ctx.saved_tensors, traits.sinks, dsinks)
     mark_part(f"{kind} chunk project backward")
     own_sums = key_sums.pop(start, stop)

@@ -17,6 +17,7 @@ when it is rebuilt, or ahead of time (:meth:`LayerStash.fetch_view`).
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from dataclasses import dataclass
@@ -151,6 +152,21 @@ def _runs(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, list[in
     return run, starts
 
 
+def _view_inside(held: StashRef, view: torch.Tensor, ref: StashRef) -> torch.Tensor | None:
+    """``ref``'s view as a view of ``view``, the dense copy of ``held``'s view of the same storage (see
+    :meth:`LayerStash.fetch_view`), when ``ref``'s elements all lie in one run of ``held``'s (:func:`_runs`), where
+    the two layouts differ by an offset only; else ``None``."""
+    if ref.index != held.index or ref.dtype != held.dtype or 0 in ref.shape:
+        return None
+    run, starts = _runs(held.shape, held.stride)
+    first = ref.offset - held.offset
+    last = first + sum((size - 1) * step for size, step in zip(ref.shape, ref.stride))
+    place = bisect.bisect_right(starts, first) - 1
+    if place < 0 or last >= starts[place] + run:
+        return None
+    return torch.as_strided(view, ref.shape, ref.stride, view.storage_offset() + place * run + first - starts[place])
+
+
 def _dense_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a dense tensor of ``shape`` whose dimensions are in the memory order of ``stride`` (the
     runs of :func:`_runs` side by side)."""
@@ -208,6 +224,7 @@ class LayerStash:
         self._read_in_views: set[int] = set()  # storages fetched one saved view at a time, laid out last
         self._fetched_with_buffers = 0  # bytes of the layout the prefetch buffers hold: all but those storages
         self._view_fetches: dict[StashRef, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._held_views: dict[int, tuple[StashRef, torch.Tensor]] = {}  # storage index -> view held (hold_view)
         self._freed = False
 
     @property
@@ -328,7 +345,7 @@ class LayerStash:
         if self.swapped:
             self._engine.wait(self._latest[1])  # no copy may still write the buffers and pieces dropped here
             self._storages, self._slot_buffers, self._fetched, self._pieces = [], None, None, []
-            self._view_fetches = {}
+            self._view_fetches, self._held_views = {}, {}
 
     def rebuild(self, ref: StashRef) -> torch.Tensor:
         """The saved tensor ``ref`` describes, as a view of its storage on the device."""
@@ -345,11 +362,35 @@ class LayerStash:
             self._storages = self._views(self._slot_buffers)
         base = self._storages[ref.index]
         if base is None:  # a storage read in views, on the host
-            self.fetch_view(ref)
-            view, fetched = self._view_fetches.pop(ref)
-            self._engine.wait(fetched)
-            return view
+            return self._read_view(ref)
         return torch.as_strided(base, ref.shape, ref.stride, base.storage_offset() + ref.offset)
+
+    def _read_view(self, ref: StashRef) -> torch.Tensor:
+        """``ref``'s view of a swapped storage read in views: a view of the view of it held on the device
+        (:meth:`hold_view`) if it lies inside that, else fetched (or waited for, if fetched ahead)."""
+        held = self._held_views.get(ref.index)
+        inside = None if held is None else _view_inside(*held, ref)
+        if inside is not None:
+            return inside
+        self.fetch_view(ref)
+        view, fetched = self._view_fetches.pop(ref)
+        self._engine.wait(fetched)
+        return view
+
+    def hold_view(self, ref: StashRef) -> torch.Tensor:
+        """:meth:`rebuild` ``ref``, and where it comes from the host (a view of a storage read in views) keep it on
+        the device until :meth:`drop_view`: the saved views inside it are rebuilt from it instead of fetched again
+        (e.g. a chunk's attention-output rows ``(B, h, rows, D)``, and the rows ``(s, h * D)`` of each sequence its
+        o-projection saved)."""
+        view = self.rebuild(ref)
+        if self._storages[ref.index] is None:
+            self._held_views[ref.index] = (ref, view)
+        return view
+
+    def drop_view(self, ref: StashRef) -> None:
+        """Let go of the view of ``ref``'s storage :meth:`hold_view` holds (its memory goes with the caller's last
+        tensor on it); saved views inside it are fetched again if rebuilt."""
+        self._held_views.pop(ref.index, None)
 
     def fetch_view(self, ref: StashRef) -> None:
         """Start copying the bytes of ``ref``'s view of a swapped storage read in views into a device tensor of their
@@ -385,7 +426,7 @@ class LayerStash:
         self._engine.wait(self._latest[1])  # no copy may still write the buffers and pieces dropped here
         self._return_host()
         self._storages, self._host, self._slot_buffers, self._pieces, self._freed = [], None, None, [], True
-        self._view_fetches = {}
+        self._view_fetches, self._held_views = {}, {}
 
     def owns(self, ref: StashRef, views: int = 1) -> bool:
         """Whether the memory of ``ref``'s storage on the device is this stash's alone, apart from ``views`` tensors
