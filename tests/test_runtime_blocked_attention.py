@@ -264,3 +264,112 @@ def test_key_grad_sums_in_pieces_equal_one_sum_and_refuse_keys_of_a_finished_pie
         assert torch.equal(got_k, want_k[:, :, start:stop]) and torch.equal(got_v, want_v[:, :, start:stop])
     with pytest.raises(ValueError, match="reach past the pieces still summed"):
         pieces.add(slice(None), slice(0, SEQ), torch.zeros(1, 2, SEQ, 8), torch.zeros(1, 2, SEQ, 8))
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """ATen's ``is_non_overlapping_and_dense``: the elements fill ``numel`` consecutive places, in some order of the
+    dims (dims of size 1 take any stride)."""
+    expected = 1
+    for dim in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
+        if t.stride(dim) != expected:
+            return False
+        expected *= t.shape[dim]
+    return True
+
+
+def _fast_path_refusal(totals: list[torch.Tensor], parts: list[torch.Tensor]) -> str | None:
+    """Why ATen's CUDA ``_foreach_add_(totals, parts)`` would take its slow path (one kernel per pair), or ``None``
+    (``aten/src/ATen/native/ForeachUtils.h``: ``can_use_fast_route``): every tensor strided, dense and of one device
+    and dtype; each pair of the same sizes and strides (strides of dims of size 1 aside)."""
+    first = totals[0]
+    for t in totals + parts:
+        if t.layout != torch.strided or t.device != first.device or t.dtype != first.dtype:
+            return f"{t.dtype} {t.layout} on {t.device}, not {first.dtype} strided on {first.device}"
+        if not _non_overlapping_and_dense(t):
+            return f"not dense: sizes {tuple(t.shape)} strides {t.stride()}"
+    for total, part in zip(totals, parts):
+        strides = [(a, b) for a, b, size in zip(total.stride(), part.stride(), total.shape) if size != 1]
+        if total.shape != part.shape or any(a != b for a, b in strides):
+            return f"pair differs: {tuple(total.shape)} {total.stride()} and {tuple(part.shape)} {part.stride()}"
+    return None
+
+
+def test_the_fast_path_check_refuses_what_aten_refuses():
+    sums = torch.zeros(2, 6, 3, 8)
+    grad = torch.zeros(2, 6, 3, 8, dtype=torch.bfloat16)
+    assert _fast_path_refusal([sums], [grad.float()]) is None
+    assert _fast_path_refusal([sums[:, 1:4]], [grad.float()[:, 1:4].contiguous()]).startswith("not dense")
+    assert "bfloat16" in _fast_path_refusal([sums], [grad])
+    assert _fast_path_refusal([sums], [grad.float().transpose(0, 1).contiguous().transpose(0, 1)]).startswith("pair")
+
+
+@pytest.fixture
+def foreach_adds(monkeypatch):
+    """The ``(totals, parts)`` lists of every ``torch._foreach_add_`` call while the test runs."""
+    calls, add = [], torch._foreach_add_
+    monkeypatch.setattr(
+        torch, "_foreach_add_", lambda totals, parts: (calls.append((totals, parts)), add(totals, parts))
+    )
+    return calls
+
+
+def _use_flash_attn_stand_in(monkeypatch) -> None:
+    """Blocked attention runs on flash-attn, whose backward expands dK/dV (computed by :class:`_FlashAttnOnCpu`)."""
+    monkeypatch.setattr(flash_attn_package, "flash_attn_interface", lambda: _FlashAttnOnCpu())
+    for module in (attention_core, blocked_attention):
+        monkeypatch.setattr(module, "backend_for", lambda q, traits, causal=True, value_head_dim=None: "flash-attn")
+
+
+@pytest.mark.parametrize("kernel", ["native", "flash-attn"])
+@pytest.mark.parametrize("batch,kv_heads", [(1, 2), (2, 2), (1, 4), (2, 4)])
+def test_each_kernel_calls_key_gradients_go_to_the_sums_in_one_foreach_add_on_its_fast_path(
+    monkeypatch, foreach_adds, kernel, batch, kv_heads
+):
+    """bf16 on GQA (expanded per KV head on flash-attn) and MHA, in pieces as the executor runs them (last chunk
+    first, each chunk's sums popped when it is done): every add is one foreach call whose lists meet the fast path's
+    conditions, and the sums are exactly the fp32 sums of the kernels' dk, dv (as adding each piece alone gave
+    them), close to the whole sequence's attention."""
+    if kernel == "flash-attn":
+        _use_flash_attn_stand_in(monkeypatch)
+    q, k, v, upstream = (t.to(torch.bfloat16) for t in _inputs(batch, 4, kv_heads, bshd=True))
+    traits = AttentionTraits(0.4)
+    want = [torch.zeros(k.shape, dtype=torch.float32) for _ in range(2)]
+    calls, add = [], KeyGradSums.add
+
+    def add_and_sum(self, heads, keys, dk, dv):
+        calls.append(heads)
+        for total, grad in zip(want, (dk, dv)):
+            total[:, heads, keys] += grad.float()
+        add(self, heads, keys, dk, dv)
+
+    monkeypatch.setattr(KeyGradSums, "add", add_and_sum)
+    bounds = chunk_bounds(SEQ, 4)
+    key_sums = KeyGradSums(k, v, bounds)
+    got = [torch.full(k.shape, torch.nan, dtype=torch.float32) for _ in range(2)]
+    for start, stop in reversed(bounds):
+        rows, prefix = slice(start, stop), slice(0, stop)
+        tensors = (q[:, :, rows], k[:, :, prefix], v[:, :, prefix])
+        out, lse = block_forward(*tensors, start, traits)
+        block_backward(upstream[:, :, rows], *tensors, out, lse, start, traits, key_sums)
+        for total, sums in zip(got, key_sums.pop(start, stop)):
+            total[:, :, rows] = sums
+    assert len(foreach_adds) == len(calls) == (2 * len(bounds) - 1) * (kv_heads if calls[0].start is not None else 1)
+    assert (calls[0].start is not None) == (kernel == "flash-attn" and kv_heads < 4)  # per KV head where expanded
+    assert [_fast_path_refusal(*lists) for lists in foreach_adds] == [None] * len(foreach_adds)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _, _, (_, want_dk, want_dv, _) = _whole(*(t.double() for t in (q, k, v, upstream)), traits)
+    _assert_close(got, (want_dk.float(), want_dv.float()), 3e-2)
+
+
+@pytest.mark.parametrize("target", [KernelTarget(), KernelTarget(flash_attn=False)])
+def test_a_fake_profile_for_a_cuda_target_adds_each_calls_key_gradients_on_the_fast_path(foreach_adds, target):
+    """The flash kernels of a CUDA target, per KV head (h = 8 on h_kv = 2), batch 2: one fast-path add per call."""
+    start, rows, kv_heads, dim = 48, 16, 2, 64
+    with FakeTensorMode():
+        q, out, grad_out = (torch.empty(2, rows, 8, dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+        k, v = (torch.empty(2, start + rows, kv_heads, dim, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        key_sums = KeyGradSums(k, v, chunk_bounds(start + rows, 4))
+        with AllocationRecorder(lambda: "layer", lambda: "backward", workspace_hook(target)):
+            block_backward(grad_out, q, k, v, out, torch.empty(2, 8, rows), start, AttentionTraits(dim**-0.5), key_sums)
+    assert len(foreach_adds) == 2 * kv_heads
+    assert [_fast_path_refusal(*lists) for lists in foreach_adds] == [None] * len(foreach_adds)

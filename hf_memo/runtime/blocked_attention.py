@@ -150,6 +150,24 @@ def _no_rng() -> torch.Tensor:
     return torch.empty((), dtype=torch.long)
 
 
+_POSITIONS_FIRST = (2, 0, 1, 3)  # sums in (S, B, h_kv, D) memory: a range of positions of all KV heads is dense
+_HEADS_FIRST = (1, 2, 0, 3)  # sums in (h_kv, S, B, D) memory: a range of positions of one KV head is dense
+
+
+def _logical(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation taking dims laid out in ``order`` back to ``(B, h_kv, S, D)``."""
+    return tuple(order.index(dim) for dim in range(len(order)))
+
+
+def _laid_out(grad: torch.Tensor, dtype: torch.dtype, order: tuple[int, ...]) -> torch.Tensor:
+    """``grad`` ``(B, h', s, D)`` as a contiguous tensor of ``dtype`` with its dims in ``order`` (``(s, B, h', D)``
+    or ``(h', s, B, D)``): ``grad`` itself, permuted, where it already is one, else one copy (and cast)."""
+    physical = grad.permute(order)
+    if grad.dtype == dtype and physical.is_contiguous():
+        return physical
+    return torch.empty(physical.shape, dtype=dtype, device=grad.device).copy_(physical)
+
+
 class KeyGradSums:
     """Running sums of the keys' and values' gradients over query blocks, ``(B, h_kv, S, D)`` each, kept as pieces
     of positions: float32 for half inputs (one rounding per kernel call, none per block), else the keys' dtype.
@@ -157,51 +175,97 @@ class KeyGradSums:
     A piece whose keys have every gradient (no later block attends to them) is taken out with :meth:`pop`, and its
     memory goes back when the caller drops it: causal blocks run last block first, so a piece is final as soon as
     its own block is done.
+
+    Each kernel call's ``dk, dv`` go to the pieces they overlap in one foreach add that takes CUDA's fast path (one
+    kernel for many tensors, not one per piece): every tensor of it dense, of the sums' dtype, each gradient's part
+    with its sums' sizes and strides. So ``dk, dv`` are first cast to the sums' dtype in a layout whose ranges of
+    positions are dense, and the sums are kept in the same layout: positions first, ``(S, B, h_kv, D)`` memory,
+    for calls over all KV heads; KV heads first, ``(h_kv, S, B, D)``, for the per-KV-head calls of the kernels that
+    expand dK/dV (:func:`block_backward`), whose part of a piece is then one head's range of positions, dense too.
+    The first call decides (the sums are all zeros until then, so their memory takes either layout); a later call
+    of the other kind is still exact, its add just not on the fast path.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]] | None = None) -> None:
         """Zeroed sums for ``k`` and ``v`` ``(B, h_kv, S, D)``, one pair per piece ``[start, stop)`` of ``bounds``
         (default: one piece, the whole sequence)."""
-        wide = summing_dtype(k.dtype)
-        self.pieces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {
+        self.dtype = summing_dtype(k.dtype)
+        self._kv_heads = k.shape[1]
+        self._dims = tuple((t.shape[0], t.shape[1], t.shape[3]) for t in (k, v))  # (B, h_kv, D) of dk, dv
+        self._memory: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {
             (start, stop): tuple(
-                torch.zeros((*t.shape[:2], stop - start, t.shape[3]), dtype=wide, device=t.device) for t in (k, v)
+                torch.zeros(batch * heads * (stop - start) * dim, dtype=self.dtype, device=k.device)
+                for batch, heads, dim in self._dims
             )
             for start, stop in sorted(bounds or [(0, k.shape[2])])
         }
-        # each piece's sums of one group of KV heads, made once: a prefix overlaps as many pieces as there are
+        self._order: tuple[int, ...] | None = None  # the layout, once the first call chose it
+        # each piece's targets for one group of KV heads, made once: a prefix overlaps as many pieces as there are
         # blocks below it, and slicing them anew for each kernel call made a layer's backward quadratic in its blocks
-        self._head_views: dict[tuple[int, int], dict[tuple[int | None, int | None], tuple[torch.Tensor, ...]]] = {}
+        self._targets: dict[tuple[int, int], dict[tuple[int | None, int | None], tuple[list[torch.Tensor], ...]]] = {}
+
+    def _laid_out_piece(self, piece: tuple[int, int], index: int) -> torch.Tensor:
+        """Piece ``piece``'s sums of dk (``index`` 0) or dv (1) in their memory's layout (``(S_piece, B, h_kv, D)``
+        or ``(h_kv, S_piece, B, D)``)."""
+        batch, heads, dim = self._dims[index]
+        logical = (batch, heads, piece[1] - piece[0], dim)
+        return self._memory[piece][index].view([logical[d] for d in self._order])
+
+    def _piece_targets(self, piece: tuple[int, int], heads: slice) -> tuple[list[torch.Tensor], ...]:
+        """Piece ``piece``'s sums of KV heads ``heads`` as tensors whose first dim is the piece's positions, for dk
+        and for dv: one per KV head (``(S_piece, B, D)``, heads first) or one for all (``(S_piece, B, h', D)``)."""
+        by_heads = self._targets.setdefault(piece, {})
+        if (heads.start, heads.stop) not in by_heads:
+            laid_out = (self._laid_out_piece(piece, index) for index in range(2))
+            if self._order == _HEADS_FIRST:
+                by_heads[heads.start, heads.stop] = tuple(list(sums[heads]) for sums in laid_out)
+            else:
+                by_heads[heads.start, heads.stop] = tuple([sums[:, :, heads]] for sums in laid_out)
+        return by_heads[heads.start, heads.stop]
+
+    def _overlaps(self, keys: slice) -> list[tuple[tuple[int, int], int, int]]:
+        """Each piece ``keys`` overlap, with the positions ``[first, last)`` they share, in order of positions.
+
+        Raises:
+            ValueError: some of ``keys`` are in no piece (a popped one).
+        """
+        overlaps = []
+        for start, stop in self._memory:
+            first, last = max(start, keys.start), min(stop, keys.stop)
+            if first < last:
+                overlaps.append(((start, stop), first, last))
+        if sum(last - first for _, first, last in overlaps) != keys.stop - keys.start:
+            raise ValueError(f"keys {keys.start}:{keys.stop} reach past the pieces still summed ({list(self._memory)})")
+        return overlaps
 
     @torch.no_grad()
     def add(self, heads: slice, keys: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add one kernel call's ``dk, dv`` ``(B, h', keys.stop - keys.start, D)``, the gradients of keys ``keys`` of
-        KV heads ``heads``, to every piece they overlap (pieces tile the keys: one ``split`` of ``dk``/``dv`` and one
-        foreach add for all of them)."""
-        totals, sizes = [], []
-        for (start, stop), sums in self.pieces.items():
-            first, last = max(start, keys.start), min(stop, keys.stop)
-            if first < last:
-                by_heads = self._head_views.setdefault((start, stop), {})
-                if (heads.start, heads.stop) not in by_heads:
-                    by_heads[heads.start, heads.stop] = tuple(total[:, heads] for total in sums)
-                views = by_heads[heads.start, heads.stop]
-                if (first, last) != (start, stop):
-                    views = tuple(view[:, :, first - start : last - start] for view in views)
-                totals.append(views)
-                sizes.append(last - first)
-        if sum(sizes) != keys.stop - keys.start:
-            summed = sorted(self.pieces)
-            raise ValueError(f"keys {keys.start}:{keys.stop} reach past the pieces still summed ({summed})")
-        parts = [part.split(sizes, dim=2) for part in (dk, dv)]
-        torch._foreach_add_(
-            [view for pair in totals for view in pair], [piece for pair in zip(*parts) for piece in pair]
-        )
+        KV heads ``heads``, to every piece they overlap (pieces tile the keys), in one foreach add."""
+        overlaps = self._overlaps(keys)
+        sizes = [last - first for _, first, last in overlaps]
+        if self._order is None:
+            self._order = _HEADS_FIRST if len(range(self._kv_heads)[heads]) < self._kv_heads else _POSITIONS_FIRST
+        targets = [self._piece_targets(piece, heads) for piece, _, _ in overlaps]
+        totals, parts = [], []
+        for index, grad in enumerate((dk, dv)):
+            grad = _laid_out(grad, self.dtype, self._order)
+            sources = grad.unbind(0) if self._order == _HEADS_FIRST else (grad,)  # positions first, as the targets
+            for head, source in enumerate(sources):
+                for (piece, first, last), piece_targets, part in zip(overlaps, targets, source.split(sizes)):
+                    target = piece_targets[index][head]
+                    totals.append(target if len(target) == last - first else target[first - piece[0] : last - piece[0]])
+                    parts.append(part)
+        torch._foreach_add_(totals, parts)
 
     def pop(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here."""
-        self._head_views.pop((start, stop), None)
-        return self.pieces.pop((start, stop))
+        """The sums ``(dk, dv)`` ``(B, h_kv, stop - start, D)`` of piece ``[start, stop)``, no longer held here
+        (views of memory laid out as :class:`KeyGradSums` says)."""
+        self._order = self._order or _POSITIONS_FIRST
+        self._targets.pop((start, stop), None)
+        sums = tuple(self._laid_out_piece((start, stop), index).permute(_logical(self._order)) for index in range(2))
+        del self._memory[start, stop]
+        return sums
 
 
 def block_backward(
