@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -127,3 +129,59 @@ def test_without_host_memory_the_bound_names_what_holds_the_bytes(device_budget)
     policy = solve_policy(8, costs, bandwidth=100.0, device_budget=device_budget, host_budget=0.0, alpha_steps=4)
     assert policy.host_bytes == 0 and not any(layer.on_host for layer in policy.layers)
     assert policy.bound == ("all" if device_budget == 8 * 6.0 else "device memory")
+
+
+def _costs_fetched_late(ahead: float, streamed: float = 0.0) -> LayerCosts:
+    """A layer whose stash (X 4 + attention 2 + alpha * 8 bytes, 1 of the attention streamed) copies in 1 second at
+    bandwidth 10, under 2 seconds of backward: all of it hides when fetched ahead."""
+    return LayerCosts(4.0, 2.0, 8.0, 1.0, 2.0, 0.5, 0.5, ahead_bytes=ahead, streamed_bytes=streamed)
+
+
+@pytest.mark.parametrize("keep_attention", [True, False])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_what_the_layer_above_does_not_fetch_ahead_is_charged_at_the_bandwidth(keep_attention, alpha):
+    """A host layer's bytes beyond the key-gradient sums the layer above frees (``ahead_bytes``; the streamed
+    attention output aside) arrive when its own backward begins: exactly ``late / bandwidth`` more; none late, no
+    change; device layers never."""
+    whole = _costs_fetched_late(math.inf, streamed=1.0)
+    layer = LayerPolicy(keep_attention, True, alpha)
+    fetched = whole.stash_bytes(keep_attention, alpha) - (1.0 if keep_attention else 0.0)
+    before = whole.layer_seconds(layer, 10.0)
+    late = _costs_fetched_late(3.0, streamed=1.0)
+    assert late.late_bytes(keep_attention, alpha) == fetched - 3.0 > 0
+    assert late.layer_seconds(layer, 10.0) == pytest.approx(before + (fetched - 3.0) / 10.0, rel=1e-12)
+    enough = _costs_fetched_late(fetched, streamed=1.0)
+    assert enough.late_bytes(keep_attention, alpha) == 0 and enough.layer_seconds(layer, 10.0) == before
+    on_device = replace(layer, on_host=False)
+    assert late.layer_seconds(on_device, 10.0) == whole.layer_seconds(on_device, 10.0)
+
+
+def test_the_solver_and_its_predicted_time_see_the_late_bytes():
+    """Three host layers and two device layers: the step's predicted time grows by every host layer's late bytes
+    over the bandwidth; the solver, still matching brute force, predicts a longer step where bytes come late."""
+    layers = (LayerPolicy(True, True, 0.0),) * 3 + (LayerPolicy(True, False, 0.0),) * 2
+    whole, late = _costs_fetched_late(math.inf), _costs_fetched_late(1.0)
+    assert policy_seconds(layers, late, 10.0) == pytest.approx(policy_seconds(layers, whole, 10.0) + 3 * 5.0 / 10.0)
+    for costs in (whole, late):
+        policy = solve_policy(5, costs, 10.0, device_budget=40.0, host_budget=30.0, alpha_steps=2)
+        assert policy.predicted_step_seconds == pytest.approx(_brute_force(5, costs, 10.0, 40.0, 30.0, 2), rel=1e-9)
+    assert (
+        solve_policy(5, late, 10.0, 40.0, 30.0, 2).predicted_step_seconds
+        > solve_policy(5, whole, 10.0, 40.0, 30.0, 2).predicted_step_seconds
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_solver_matches_brute_force_with_bytes_fetched_late(seed):
+    rng = random.Random(1000 + seed)
+    n, steps = rng.choice([(2, 2), (3, 2), (4, 2), (4, 1), (3, 3)])
+    costs = replace(
+        _random_costs(rng), ahead_bytes=rng.choice([0.0, 1.0, 2.5, 4.0]), streamed_bytes=rng.choice([0.0, 0.5])
+    )
+    bandwidth = rng.choice([0.5, 2.0, 10.0])
+    device_budget, host_budget = rng.uniform(0, n * 8 + 10), rng.uniform(0, n * 8)
+    expected = _brute_force(n, costs, bandwidth, device_budget, host_budget, steps)
+    if expected is None:
+        return
+    policy = solve_policy(n, costs, bandwidth, device_budget, host_budget, steps)
+    assert policy.predicted_step_seconds == pytest.approx(expected, rel=1e-9, abs=1e-12)

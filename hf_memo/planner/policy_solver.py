@@ -4,10 +4,15 @@ Cost model, per decoder layer (all layers have the same shape, so the same costs
 bytes the layer keeps (``S_in``, plus ``S_attn`` if it keeps attention, plus ``alpha * S_other``)::
 
     seconds = T_f + T_b + (1 - alpha) * T_other + (0 if keep_attention else T_attn)        (compute)
-              + max(0, stash / B - T_f) + max(0, stash / B - (T_b + recompute))       (host layers only)
+              + max(0, stash / B - T_f)                                                (host layers only)
+              + max(0, (stash - late) / B - (T_b + recompute)) + late / B
 
-The two last terms are the copy to the host in forward and back in backward, minus what hides behind
-the layer's own compute. The step time is the sum over the layers. Memory::
+The last terms are the copy to the host in forward and back in backward, minus what hides behind the
+layer's own compute. In backward, the layer above fetches the stash ahead only as far as its freed
+key-gradient sums make room (``ahead``; the attention output a blocked backward reads one chunk of rows at
+a time, beside its compute, is not part of that fetch); the rest, ``late = max(0, stash - streamed -
+ahead)``, is fetched when the layer's own backward begins and waited on at once: exposed. The step time is
+the sum over the layers. Memory::
 
     device = sum of device layers' stashes + 2 * the largest host layer's stash   (rounding or prefetch buffers)
     host   = sum of host layers' stashes
@@ -44,6 +49,11 @@ class LayerCosts:
         backward_seconds: ``T_b``, the layer's backward without any recompute.
         attention_seconds: ``T_attn``, the attention forward a layer keeping ``X`` only recomputes in backward.
         other_seconds: ``T_other``, the rest of the forward, recomputed for the ``1 - alpha`` of the tokens.
+        ahead_bytes: of a host layer's stash, the bytes the backward of the layer above fetches while it runs: the
+            bytes of the keys' gradient sums it frees chunk by chunk (its blocked backward), ``inf`` where the
+            stash is fetched whole ahead (a backward not in blocks, or planned memory).
+        streamed_bytes: of ``attention_bytes``, the attention output a blocked backward of a layer keeping it
+            reads from the host one chunk of rows at a time while it runs (0 where the output is fetched whole).
     """
 
     input_bytes: float
@@ -53,6 +63,8 @@ class LayerCosts:
     backward_seconds: float
     attention_seconds: float
     other_seconds: float
+    ahead_bytes: float = math.inf
+    streamed_bytes: float = 0.0
 
     def stash_bytes(self, keep_attention: bool, alpha: float) -> float:
         """Bytes a layer keeps for backward."""
@@ -62,13 +74,21 @@ class LayerCosts:
         """Seconds the layer's backward spends recomputing what it did not keep."""
         return (1.0 - alpha) * self.other_seconds + (0.0 if keep_attention else self.attention_seconds)
 
+    def late_bytes(self, keep_attention: bool, alpha: float) -> float:
+        """Bytes of a host layer's stash fetched only when its own backward begins, and waited on at once: what
+        the layer above's backward did not fetch ahead (``ahead_bytes``), the streamed attention output aside."""
+        fetched = self.stash_bytes(keep_attention, alpha) - (self.streamed_bytes if keep_attention else 0.0)
+        return max(0.0, fetched - self.ahead_bytes)
+
     def layer_seconds(self, layer: LayerPolicy, bandwidth: float) -> float:
         """Predicted seconds of the layer's forward and backward under ``layer``, copies included."""
         recompute = self.recompute_seconds(layer.keep_attention, layer.alpha)
         seconds = self.forward_seconds + self.backward_seconds + recompute
         if layer.on_host:
-            copy = self.stash_bytes(layer.keep_attention, layer.alpha) / bandwidth
-            seconds += max(0.0, copy - self.forward_seconds) + max(0.0, copy - self.backward_seconds - recompute)
+            stash = self.stash_bytes(layer.keep_attention, layer.alpha)
+            late = self.late_bytes(layer.keep_attention, layer.alpha)
+            seconds += max(0.0, stash / bandwidth - self.forward_seconds)
+            seconds += max(0.0, (stash - late) / bandwidth - self.backward_seconds - recompute) + late / bandwidth
         return seconds
 
 
@@ -176,7 +196,8 @@ def solve_policy(
     for name in ("device_budget", "host_budget"):
         _check(name, locals()[name], 0.0)
     for name, value in vars(costs).items():
-        _check(f"costs.{name}", value, 0.0)
+        if not (name == "ahead_bytes" and value == math.inf):  # inf: the whole stash fetched ahead
+            _check(f"costs.{name}", value, 0.0)
 
     n, steps = num_layers, alpha_steps
     kinds = (True, False)  # keep X + attention output, keep X only
