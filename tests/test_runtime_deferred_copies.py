@@ -26,9 +26,9 @@ def _host(n: int) -> torch.Tensor:
 
 def test_a_copy_is_carried_out_only_when_its_event_or_a_later_one_is_waited_on():
     engine = DeferredCopies(CPU)
-    src, first, second = torch.arange(4.0), _host(4), _host(4)
+    src, twice, first, second = torch.arange(4.0), torch.arange(4.0) * 2, _host(4), _host(4)
     one = engine.to_host(first, src)
-    two = engine.to_host(second, src * 2)
+    two = engine.to_host(second, twice)  # the sources are the caller's to keep until the copies are done
     assert torch.isnan(first).all() and torch.isnan(second).all()  # 0xFF bytes until then
     engine.wait(two)  # stream order: the first copy too
     assert torch.equal(first, src) and torch.equal(second, src * 2) and engine.carried_out == 2
@@ -38,8 +38,8 @@ def test_a_copy_is_carried_out_only_when_its_event_or_a_later_one_is_waited_on()
 
 def test_a_host_to_device_copy_after_a_device_to_host_one_carries_that_out_first():
     engine = DeferredCopies(CPU)
-    host, back = _host(3), torch.empty(3)
-    stored = engine.to_host(host, torch.tensor([1.0, 2.0, 3.0]))
+    host, back, src = _host(3), torch.empty(3), torch.tensor([1.0, 2.0, 3.0])
+    stored = engine.to_host(host, src)
     fetched = engine.to_device(back, host, stored)
     engine.wait(fetched)
     assert torch.equal(back, torch.tensor([1.0, 2.0, 3.0]))
@@ -50,7 +50,7 @@ def test_a_source_written_before_its_copy_is_carried_out_fails():
     engine = DeferredCopies(CPU)
     src = torch.ones(5)
     event = engine.to_host(_host(5), src)
-    src.add_(1)  # a missing record_stream: CUDA would copy the new values
+    src.add_(1)  # CUDA would copy the new values
     with pytest.raises(PendingCopyError, match="source of a .* changed"):
         engine.wait(event)
 
@@ -63,11 +63,24 @@ def test_a_device_destination_freed_with_its_copy_pending_fails_at_the_next_copy
         engine.to_device(torch.empty(4), _host(4))
 
 
+def test_a_device_to_host_source_freed_with_its_copy_pending_fails_at_the_next_copy():
+    """The engine does not hold a device-to-host copy's source (CUDA's does not either): its user must keep it until
+    the copy is waited on, or the copy would read memory handed to someone else."""
+    engine = DeferredCopies(CPU)
+    host, kept = _host(4), torch.ones(4)
+    engine.wait(engine.to_host(host, kept))  # kept until the copy is done: fine
+    engine.to_host(host, torch.ones(4))  # the source dies at once
+    gc.collect()
+    with pytest.raises(PendingCopyError, match="source of a .* device-to-host copy was freed before the copy"):
+        engine.to_host(host, kept)
+
+
 def test_a_host_buffer_given_back_or_taken_again_with_a_copy_pending_fails():
     engine = DeferredCopies(CPU)
     pool = HostPool(CPU, copies=engine)
     buffer = pool.acquire(64)
-    event = engine.to_host(buffer.view(torch.float32), torch.ones(16))
+    ones = torch.ones(16)
+    event = engine.to_host(buffer.view(torch.float32), ones)
     with pytest.raises(PendingCopyError, match="given back to the host pool"):
         pool.release(buffer)
     assert deferred_copies.faults()  # recorded too: a finalizer that gives a buffer back swallows the error
@@ -78,8 +91,8 @@ def test_a_host_buffer_given_back_or_taken_again_with_a_copy_pending_fails():
         pool.acquire(64)
 
 
-def test_a_device_to_host_copy_from_host_memory_is_rejected_as_record_stream_would():
-    with pytest.raises(PendingCopyError, match="record_stream rejects a CPU tensor"):
+def test_a_device_to_host_copy_from_host_memory_is_rejected():
+    with pytest.raises(PendingCopyError, match="a stash must not offload tensors that are not on its device"):
         DeferredCopies(CPU).to_host(_host(2), _host(2))
 
 

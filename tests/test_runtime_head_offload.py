@@ -71,8 +71,11 @@ def test_the_device_copy_of_the_head_input_is_freed_while_the_graph_lives():
     with head_input_offloaded(runtime, hidden) as h:
         loss = _loss(h, w)
     del hidden, h
-    assert torch.UntypedStorage._expired(storage)  # only the host copy is left for backward
+    assert not torch.UntypedStorage._expired(storage)  # held while its copy to the host may run
+    freed = []
+    w.register_hook(lambda grad: freed.append(torch.UntypedStorage._expired(storage)))
     got = torch.autograd.grad(loss, [leaf, w])
+    assert freed == [True]  # the copy waited on when backward began: only the host copy is left for it
     want = torch.autograd.grad(_loss(leaf * 2, w), [leaf, w])
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=0, atol=0)

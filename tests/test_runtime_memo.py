@@ -635,3 +635,46 @@ def test_sequence_parallel_ranks_size_their_policy_with_one_limit_and_one_memory
     assert first == second
     assert first.device_limit == 1_500_000_000 and first.device_in_use == 350_000_000
     assert first.layer_seconds == 2e-3 and first.bandwidth == 5e8 and first.device_budget == 1e8
+
+
+def _stash_storage_frees(monkeypatch, batch, seq):
+    """A fake-tensor profile of one memo step of a 4-layer Llama, layers 0 and 1 on the host: the trace, and for
+    each swapped layer the phase of every free of its stash's device storages."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from transformers import LlamaConfig
+
+    from hf_memo.profiler.allocations import AllocationRecorder
+    from hf_memo.profiler.fake_model import fake_causal_lm
+    from hf_memo.profiler.step import trace_training_step
+    from tests.conftest import TINY_LAYOUT
+
+    model, session = fake_causal_lm(LlamaConfig(**{**TINY_LAYOUT, "num_hidden_layers": 4}), torch.bfloat16)
+    with session:
+        hf_memo.apply(model, recompute="memo", mlp_chunks=2, lm_head_chunks=2)
+    hf_memo.memo_runtime(model).assume_policy(MemoryPolicy(tuple(LayerPolicy(True, i < 2, 0.5) for i in range(4))))
+    stashed, seal = {}, memo_module.LayerStash.seal
+
+    def recording_seal(stash):
+        if stash.swapped:  # the recorder's ids of the device storages the seal copies to the host
+            recorder = next(m for m in _get_current_dispatch_mode_stack() if isinstance(m, AllocationRecorder))
+            stashed[stash.index] = [recorder._ids[whole.untyped_storage()] for whole in stash._storages]
+        seal(stash)
+
+    monkeypatch.setattr(memo_module.LayerStash, "seal", recording_seal)
+    with session:
+        trace = trace_training_step(model, batch, seq, kernels="cpu")
+    freed = {event.tensor_id: event.phase for event in trace.events if event.op == "free"}
+    return trace, {index: {freed[i] for i in ids} for index, ids in stashed.items()}
+
+
+def test_a_fake_profile_counts_a_swapped_stash_until_the_next_layer_seals(monkeypatch):
+    """The estimator and the policy sizer read fake-tensor profiles of the runtime's own allocations. A swapped
+    layer's copies to the host may still run after its seal (on CUDA), reading its device tensors: the stash holds
+    them until the next layer seals (its copies waited on then), so the profile counts that stash in flight, not
+    freed at its seal."""
+    _, frees = _stash_storage_frees(monkeypatch, 2, 64)
+    # (the embeddings, layer 0's input, are also the backbone's until its forward ends; index 4 is the head's input)
+    assert {index: phases - {"head"} for index, phases in frees.items() if index < 4} == {
+        0: {"layer 1 forward"},
+        1: {"layer 2 forward"},
+    }

@@ -5,7 +5,7 @@ import torch
 
 import hf_memo
 from hf_memo.runtime.offload import CopyEngine, HostPool, copy_engine
-from hf_memo.runtime.stash import ALIGN, DeviceSlots, LayerStash
+from hf_memo.runtime.stash import ALIGN, CopiesInFlight, DeviceSlots, LayerStash
 from tests.conftest import build_model, make_batch
 
 pytestmark = pytest.mark.usefixtures("deferred_copies")  # copies carried out late, as CUDA may
@@ -225,6 +225,34 @@ def test_a_held_view_serves_the_views_inside_one_of_its_runs_until_dropped():
     copies.clear()
     assert torch.equal(stash.rebuild(inside), want[1]) and copies == [3 * 32 * 8]
     stash.release()
+
+
+def test_a_sealed_stash_keeps_its_device_tensors_until_the_next_stash_of_the_device_seals():
+    """A swapped stash's copies to the host may still run after its seal (CUDA's copy stream; the deferred engine
+    here, which holds no device source): the stash keeps their device tensors until they are waited on, when the next
+    stash sharing its :class:`CopiesInFlight` seals, or backward begins, so that one stash's memory in flight is
+    held by tensors (and no source is freed with its copy pending: the fixture fails the test on that)."""
+    import gc
+    import weakref
+
+    device = torch.device("cpu")
+    engine = copy_engine(device)
+    pool, slots, in_flight = HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine), CopiesInFlight()
+    stashes = [LayerStash(index, True, engine, pool, slots, in_flight=in_flight) for index in range(3)]
+    values, kept = [torch.full((64,), float(index)) for index in range(3)], []
+    for stash, value in zip(stashes, values):
+        kept.append((weakref.ref(value.untyped_storage()), stash.add(value), value.clone()))
+        stash.seal()
+    del value, values
+    gc.collect()
+    assert [storage() is None for storage, _, _ in kept] == [True, True, False]  # the latest one only is in flight
+    top = stashes[-1]
+    assert torch.equal(top.rebuild(kept[-1][1]), kept[-1][2])  # backward begins: its copies are waited on
+    gc.collect()
+    assert kept[-1][0]() is None
+    for stash, (_, ref, want) in zip(stashes, kept):
+        assert torch.equal(stash.rebuild(ref), want)
+        stash.release()
 
 
 def test_a_slot_taken_by_another_stash_is_fetched_again_by_the_one_that_lost_it():

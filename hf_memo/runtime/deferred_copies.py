@@ -9,10 +9,12 @@ once and none of that shows. :class:`DeferredCopies` (``HF_MEMO_COPY_ENGINE=defe
   waited on (or a copy that must follow it is carried out), in stream order;
 - until then its destination holds 0xFF bytes (NaN in floating point), so reading it early is reading garbage;
 - a device->host copy's source is snapshotted when the copy is issued and compared when it is carried out: a source
-  written meanwhile is a missing ``record_stream`` or reference (CUDA would copy the new bytes, or freed memory);
-- a destination freed, or a host buffer given back to or taken again from the pool, with a copy pending raises
-  :class:`PendingCopyError` (at the engine's next call for a freed one): CUDA would write memory with a new owner;
-- a device->host copy whose source is host memory raises: ``record_stream`` rejects a CPU tensor on CUDA.
+  written meanwhile would be copied with its new bytes on CUDA;
+- a destination or a device->host copy's source freed, or a host buffer given back to or taken again from the pool,
+  with a copy pending raises :class:`PendingCopyError` (at the engine's next call for a freed one): CUDA would write
+  memory with a new owner, or copy it (the engine holds no device source, as CUDA's does not: its user keeps it until
+  the copy's event is waited on);
+- a device->host copy whose source is host memory raises: a stash must offload only tensors on its device.
 """
 
 from __future__ import annotations
@@ -52,19 +54,65 @@ class DeferredEvent:
 
 @dataclass(eq=False)
 class _Copy:
-    """A queued copy: its destination by storage (held weakly, so that freeing it shows) and view, its source (held,
-    as ``record_stream`` holds a CUDA source), a device->host source's bytes when issued, and the event it waits for."""
+    """A queued copy: its destination by storage (held weakly, so that freeing it shows) and view, its source (a host
+    one held; a device one held weakly, as CUDA holds none), a device->host source's bytes when issued, and the event
+    it waits for."""
 
-    destination: weakref.ref
+    destination: _Weak
+    source: _Weak | torch.Tensor
+    snapshot: torch.Tensor | None
+    after: DeferredEvent | None
+    watches: tuple[weakref.finalize, ...]
+    what: str
+
+    def source_tensor(self) -> torch.Tensor | None:
+        """The source, or ``None`` if it was freed."""
+        return self.source if isinstance(self.source, torch.Tensor) else self.source.tensor()
+
+    def uses(self, storage: torch.UntypedStorage) -> bool:
+        """Whether the copy reads or writes ``storage``."""
+        source = self.source.untyped_storage() if isinstance(self.source, torch.Tensor) else self.source.storage()
+        return storage is self.destination.storage() or storage is source
+
+
+@dataclass(eq=False)
+class _Weak:
+    """A view of a storage held weakly: freeing the storage shows (:meth:`watch`), and the view is made again while
+    it lives."""
+
+    storage: weakref.ref
     offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    source: torch.Tensor
-    snapshot: torch.Tensor | None
-    after: DeferredEvent | None
-    watch: weakref.finalize
-    what: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Weak:
+        return cls(
+            weakref.ref(tensor.untyped_storage()),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
+
+    def tensor(self) -> torch.Tensor | None:
+        """The view, or ``None`` once its storage is freed."""
+        storage = self.storage()
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.offset, self.shape, self.stride
+        )
+
+    def watch(self, fault: str) -> weakref.finalize:
+        """Record ``fault`` if the storage is freed before the returned finalizer is detached (device memory only:
+        host buffers are unpinned only after a device synchronisation, see ``RegisteredMemory``)."""
+        storage = self.storage()
+        watch = weakref.finalize(storage, _RECORDED.append, fault)
+        if location_of(storage) == "host":
+            watch.detach()
+        return watch
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -101,12 +149,12 @@ class DeferredCopies:
         self.carried_out = 0  # copies done so far (tests count them)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> DeferredEvent:
-        """Queue copying device ``src`` into host ``dst``; ``src`` is held (and its bytes kept) until it is done."""
+        """Queue copying device ``src`` into host ``dst``; ``src`` is not held (its bytes are kept, to compare): the
+        caller keeps it until the copy's event is waited on, else the copy faults."""
         self._raise_faults()
         if location_of(src.untyped_storage()) == "host":
             raise PendingCopyError(
-                "a device-to-host copy from host memory: CUDA's record_stream rejects a CPU tensor (a stash must not "
-                "offload tensors that are not on its device)"
+                "a device-to-host copy from host memory (a stash must not offload tensors that are not on its device)"
             )
         return self._queue(self.d2h, dst, src, None if is_fake(src) else _bytes(src).clone(), None)
 
@@ -137,7 +185,7 @@ class DeferredCopies:
         storage = buffer.untyped_storage()
         for stream in (self.d2h, self.h2d):
             for copy in stream.pending:
-                if copy.destination() is storage or copy.source.untyped_storage() is storage:
+                if copy.uses(storage):
                     message = (
                         f"a host buffer is {action} while a {copy.what} copy of the {stream.name} stream still uses "
                         "it: on CUDA its next owner's data would be overwritten or copied"
@@ -156,33 +204,26 @@ class DeferredCopies:
         if is_fake(dst) or is_fake(src):  # a profile on fake tensors (no values to defer): copied as issued
             dst.copy_(src)
             return DeferredEvent(None)
-        storage = dst.untyped_storage()
         stream.issued += 1
         what = f"{tuple(src.shape)} {src.dtype}"
-        # Device memory freed with a copy pending is handed out again at once; host buffers are unpinned only after
-        # a device synchronisation (RegisteredMemory), so freeing those is safe and not watched.
-        watch = weakref.finalize(
-            storage,
-            _RECORDED.append,
-            f"the destination of a {what} copy of the {stream.name} stream was freed before the copy was carried "
-            "out: on CUDA the copy would write memory handed to someone else",
-        )
-        if location_of(storage) == "host":
-            watch.detach()
-        stream.pending.append(
-            _Copy(
-                weakref.ref(storage),
-                dst.storage_offset(),
-                tuple(dst.shape),
-                tuple(dst.stride()),
-                dst.dtype,
-                src,
-                snapshot,
-                after,
-                watch,
-                what,
+        # Device memory freed with a copy pending is handed out again at once (host memory is not watched)
+        destination = _Weak.of(dst)
+        watches = [
+            destination.watch(
+                f"the destination of a {what} copy of the {stream.name} stream was freed before the copy was carried "
+                "out: on CUDA the copy would write memory handed to someone else"
             )
-        )
+        ]
+        source = src
+        if stream is self.d2h:  # CUDA holds no device source: its memory could be reused while the copy reads it
+            source = _Weak.of(src)
+            watches.append(
+                source.watch(
+                    f"the source of a {what} device-to-host copy was freed before the copy was carried out: on CUDA "
+                    "its memory could be handed to someone else while the copy reads it (a missing reference)"
+                )
+            )
+        stream.pending.append(_Copy(destination, source, snapshot, after, tuple(watches), what))
         _fill_ff(dst)
         return DeferredEvent(stream, stream.issued)
 
@@ -193,19 +234,20 @@ class DeferredCopies:
             stream.done += 1
             if copy.after is not None:
                 self._carry_out(copy.after)
-            copy.watch.detach()
-            if copy.snapshot is not None and not torch.equal(_bytes(copy.source), copy.snapshot):
+            for watch in copy.watches:
+                watch.detach()
+            source = copy.source_tensor()
+            if source is None:
+                continue  # freed: its watch reported it
+            if copy.snapshot is not None and not torch.equal(_bytes(source), copy.snapshot):
                 raise PendingCopyError(
                     f"the source of a {copy.what} device-to-host copy changed between the copy's issue and its "
-                    "end: on CUDA the host copy would hold the new bytes (a missing record_stream or reference)"
+                    "end: on CUDA the host copy would hold the new bytes"
                 )
-            storage = copy.destination()
-            if storage is None:
+            dst = copy.destination.tensor()
+            if dst is None:
                 continue  # freed: its watch reported device memory; host memory is freed only after the copies
-            dst = torch.empty(0, dtype=copy.dtype, device=self.device).set_(
-                storage, copy.offset, copy.shape, copy.stride
-            )
-            dst.copy_(copy.source)
+            dst.copy_(source)
             self.carried_out += 1
 
     def _raise_faults(self) -> None:

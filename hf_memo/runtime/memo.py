@@ -33,7 +33,7 @@ from hf_memo.runtime.calibration import (
 )
 from hf_memo.runtime.executor import AttentionCore, LayerSplit
 from hf_memo.runtime.offload import HostPool, copy_engine
-from hf_memo.runtime.stash import DeviceSlots, LayerStash
+from hf_memo.runtime.stash import CopiesInFlight, DeviceSlots, LayerStash
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +129,9 @@ PREFETCH_SLOTS = "prefetch"
 
 
 class _Transport:
-    """Per-device copy engine, host pool (holding at most ``host_limit`` bytes) and prefetch buffers (from
-    ``arena`` once a plan is made; ``planned``: the steps' memory is planned, see :class:`DeviceSlots`)."""
+    """Per-device copy engine, host pool (holding at most ``host_limit`` bytes), prefetch buffers (from ``arena`` once
+    a plan is made; ``planned``: the steps' memory is planned, see :class:`DeviceSlots`) and the stash whose copies
+    to the host may still run (:class:`CopiesInFlight`)."""
 
     def __init__(
         self, device: torch.device, arena: Arena | None, host_limit: int | None = None, planned: bool = False
@@ -138,6 +139,7 @@ class _Transport:
         self.engine = copy_engine(device)
         self.pool = HostPool(device, limit=host_limit, copies=self.engine)
         self.prefetch = DeviceSlots(PREFETCH_SLOTS, device, self.engine, arena, planned)
+        self.in_flight = CopiesInFlight()
 
 
 class MemoRuntime:
@@ -535,6 +537,7 @@ class MemoRuntime:
             transport.prefetch,
             keep_attention=layer.keep_attention,
             stretch=self._stretch,
+            in_flight=transport.in_flight,
         )
 
     def open_head_stash(self, hidden: torch.Tensor) -> LayerStash | None:
@@ -555,6 +558,7 @@ class MemoRuntime:
             transport.pool,
             transport.prefetch,
             stretch=stretch(hidden.shape[1]),
+            in_flight=transport.in_flight,
         )
 
     def sealed(self, index: int, stash: LayerStash) -> None:

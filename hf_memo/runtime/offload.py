@@ -209,12 +209,10 @@ class CopyEngine:
             return stream.record_event()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
-        """Copy device ``src`` into host ``dst`` once the compute stream's work so far is done. ``src``'s device
-        memory is not reused before the copy is done, whoever drops it (it is recorded on the copy stream)."""
-        event = self._copy(self.d2h, dst, src, None)
-        if self.d2h is not None:
-            src.record_stream(self.d2h)
-        return event
+        """Copy device ``src`` into host ``dst`` once the compute stream's work so far is done. The caller keeps
+        ``src`` until the compute stream has waited on the returned event: its memory is not marked on the copy
+        stream (``record_stream``), which would keep it past its last reference where no profile sees it."""
+        return self._copy(self.d2h, dst, src, None)
 
     def to_device(
         self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None

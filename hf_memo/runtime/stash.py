@@ -4,10 +4,11 @@ A :class:`LayerStash` collects the layer's saved tensors during forward (the lay
 attention output and statistics, and the saved activations of its offloaded tokens), by storage, so
 views are kept once. When the layer's forward ends it is *sealed*: for a swapped layer each storage
 is copied straight into its place in a pooled host buffer on the device-to-host stream (no device
-staging buffer: a storage's device memory is reused only once its copy is done), and the device
-tensors are dropped. In backward the bytes come back into one of two prefetch buffers, as large as the
-layer keeps — ahead of time, while the layer above computes — and every saved tensor is rebuilt as a
-view with its original shape and strides. A prefetch buffer is given back as soon as its layer's backward
+staging buffer), and the stash keeps its device tensors until the copies are waited on: when the next stash of the
+device is sealed, or backward begins (:class:`CopiesInFlight`). So at most one stash's copies are in flight, and their
+memory is held by tensors, as any profile sees it. In backward the bytes come back into one of two prefetch
+buffers, as large as the layer keeps — ahead of time, while the layer above computes — and every saved tensor is
+rebuilt as a view with its original shape and strides. A prefetch buffer is given back as soon as its layer's backward
 is done. Where the layer above frees memory gradually during its backward (its keys' gradient sums, chunk by
 chunk), the bytes come ahead in pieces of their own, each fetched as memory goes back, and are joined into the
 prefetch buffers when the layer's backward begins. A storage whose saved views are read one at a time (the
@@ -177,6 +178,30 @@ def _dense_stride(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int,
     return tuple(dense)
 
 
+class CopiesInFlight:
+    """The latest swapped stash of a device sealed with its device-to-host copies maybe still running: it keeps the
+    copies' device tensors until they are waited on (:meth:`settle`), when the next stash of the device is sealed or
+    backward begins (a stash is prefetched or rebuilt). At most one stash's copies are then in flight, and the
+    memory they read is held by tensors, so the fake-tensor profiles the estimator and the policy sizer rely on count
+    it (CUDA's caching allocator would keep a source marked with ``record_stream`` until its copy ends, a profile would
+    free it at once and miss a stash per copy still running)."""
+
+    def __init__(self) -> None:
+        self._latest: weakref.ref[LayerStash] | None = None
+
+    def hold(self, stash: LayerStash) -> None:
+        """``stash`` was just sealed with its copies issued: the one before it settles."""
+        self.settle()
+        self._latest = weakref.ref(stash)
+
+    def settle(self) -> None:
+        """The latest stash's copies are waited on (on CUDA the compute stream waits) and its device tensors go."""
+        stash = None if self._latest is None else self._latest()
+        self._latest = None
+        if stash is not None:
+            stash.copied()
+
+
 def _give_back(pool: HostPool, engine: CopyEngine, host: torch.Tensor, latest: list) -> None:
     """Give a stash's host buffer back to ``pool`` once the stash's ``latest`` copies are done (on CUDA the compute
     stream waits for them): the buffer's next owner must not meet a copy of this stash still reading or writing it."""
@@ -193,7 +218,8 @@ class LayerStash:
     that many times the stash's bytes (the longest step of its length bucket, see
     :mod:`~hf_memo.runtime.buckets`), so the bucket's other steps reuse them. ``below`` is the stash of the
     layer below in the same forward (set by the runtime when this one is sealed; ``None`` for the lowest):
-    backward prefetches it, and only it, so each graph's backward fetches its own bytes.
+    backward prefetches it, and only it, so each graph's backward fetches its own bytes. ``in_flight``: the device's
+    stash whose copies to the host may still run (the runtime's, shared by its stashes; by default one of its own).
     """
 
     def __init__(
@@ -205,10 +231,13 @@ class LayerStash:
         prefetch: DeviceSlots,
         keep_attention: bool = True,
         stretch: float = 1.0,
+        in_flight: CopiesInFlight | None = None,
     ) -> None:
         self.index, self.swapped, self.keep_attention, self.stretch = index, swapped, keep_attention, stretch
         self.below: weakref.ref[LayerStash] | None = None
         self._engine, self._pool, self._prefetch = engine, pool, prefetch
+        self._in_flight = in_flight if in_flight is not None else CopiesInFlight()
+        self._copying: list[torch.Tensor] = []  # the device storages the copies to the host read, until waited on
         self._storages: list[torch.Tensor] = []  # each whole storage as a 1-D tensor of its dtype
         self._index_of: dict[int, int] = {}  # storage address -> position (the storages below keep it unique)
         self._layout: list[tuple[int, int, torch.dtype]] = []  # (byte offset, bytes, dtype) per storage
@@ -264,7 +293,10 @@ class LayerStash:
         return None if self.below is None else self.below()
 
     def seal(self) -> None:
-        """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA)."""
+        """End of forward: no more tensors; a swapped stash moves to the host (asynchronously on CUDA), its device
+        tensors kept until its copies are waited on (:class:`CopiesInFlight`). The stash sealed before it on the
+        device settles: its copies are waited on, its device tensors go."""
+        self._in_flight.settle()
         self._index_of = {}
         self._layout = [(0, 0, torch.uint8)] * len(self._storages)
         order = sorted(range(len(self._storages)), key=lambda index: index in self._read_in_views)
@@ -287,9 +319,17 @@ class LayerStash:
             return
         for whole, view in zip(self._storages, self._views([self._host])):
             self._stored = self._latest[0] = self._engine.to_host(view, whole)
-        # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated).
+        # Returned after backward, or when the stash is dropped without one (e.g. a forward never differentiated:
+        # the finalizer waits for the copies before the device tensors go with the stash).
         self._return_host = weakref.finalize(self, _give_back, self._pool, self._engine, self._host, self._latest)
-        self._storages = []
+        self._copying, self._storages = self._storages, []
+        self._in_flight.hold(self)
+
+    def copied(self) -> None:
+        """Wait for the copies to the host (on CUDA the compute stream waits) and let their device tensors go."""
+        if self._copying:
+            self._engine.wait(self._stored)
+            self._copying = []
 
     def _parts(self) -> list[tuple[int, int]]:
         """Byte ranges of the device buffers a swapped stash is fetched into: its first storage (the layer input) in
@@ -303,6 +343,7 @@ class LayerStash:
         ``nbytes``, beyond those on their way, into a piece of its own (:meth:`rebuild` joins the pieces into the
         buffers). No-op for what is there or on its way. Planned slots (:class:`DeviceSlots`) take the whole stash
         at the first call."""
+        self._in_flight.settle()  # backward has begun
         if not self.swapped or self._slot_buffers is not None or self._host is None:
             return
         if (nbytes is None or self._prefetch.planned) and not self._pieces:
@@ -354,6 +395,7 @@ class LayerStash:
                 f"layer {self.index}'s memo stash was freed by a backward through this graph; to differentiate "
                 "a graph again, pass retain_graph=True to every backward but the last"
             )
+        self._in_flight.settle()  # backward has begun
         if not self._storages:  # swapped: wait for the prefetch (or fetch now if none was started)
             self.prefetch()
             self._engine.wait(self._fetched)
@@ -423,6 +465,7 @@ class LayerStash:
         if keep:
             self.evict()
             return
+        self.copied()
         self._engine.wait(self._latest[1])  # no copy may still write the buffers and pieces dropped here
         self._return_host()
         self._storages, self._host, self._slot_buffers, self._pieces, self._freed = [], None, None, [], True
