@@ -214,6 +214,7 @@ def test_a_held_view_serves_the_views_inside_one_of_its_runs_until_dropped():
     stash.add(out, read_in_views=True)
     rows = out.transpose(1, 2).reshape(2, 12, 32)  # (B, S, h * D), a view
     chunk, inside, across = (stash.add(v) for v in (out[:, :, 4:8], rows[1, 5:8], rows[:, 5:7]))
+    gapped, row = stash.add(out[1, 1:3, 5:8]), stash.add(out[1, 1:3, 6])  # two heads of three rows, and of one
     want = [v.clone() for v in (out[:, :, 4:8], rows[1, 5:8], rows[:, 5:7])]
     stash.seal()
     stash.prefetch()
@@ -224,6 +225,11 @@ def test_a_held_view_serves_the_views_inside_one_of_its_runs_until_dropped():
     stash.drop_view(chunk)
     copies.clear()
     assert torch.equal(stash.rebuild(inside), want[1]) and copies == [3 * 32 * 8]
+    # holding a view with gaps inside a held chunk: fetched on its own, then it serves the views inside its runs
+    stash.hold_view(chunk)
+    copies.clear()
+    assert torch.equal(stash.hold_view(gapped), want[0][1, 1:3, 1:4]) and copies == [2 * 8 * 8] * 3
+    assert torch.equal(stash.rebuild(row), want[0][1, 1:3, 2]) and len(copies) == 3
     stash.release()
 
 

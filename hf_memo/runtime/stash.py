@@ -423,7 +423,8 @@ class LayerStash:
         """:meth:`rebuild` ``ref``, and where it comes from the host (a view of a storage read in views) keep it on
         the device until :meth:`drop_view`: the saved views inside it are rebuilt from it instead of fetched again
         (e.g. a chunk's attention-output rows ``(B, h, rows, D)``, and the rows ``(s, h * D)`` of each sequence its
-        o-projection saved)."""
+        o-projection saved). A view held before of the same storage is let go first (its own tensor comes)."""
+        self.drop_view(ref)
         view = self.rebuild(ref)
         if self._storages[ref.index] is None:
             self._held_views[ref.index] = (ref, view)
