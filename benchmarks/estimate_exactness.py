@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from hf_memo.integrations.cluster import Cluster
-from hf_memo.integrations.estimate import estimate
-from hf_memo.integrations.fitted import FittedFootprint
-from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
+from hf_memo.estimator.cluster import Cluster
+from hf_memo.estimator.estimate import estimate
+from hf_memo.estimator.fitted import FittedFootprint
+from hf_memo.estimator.setups import MODES, memo_with_offload, with_lora
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 
@@ -38,7 +38,7 @@ QUESTIONS = {
 LENGTHS = (16384, 65536, 65537, 262144)
 DIRECT = """
 import json, sys, torch
-from hf_memo.integrations.setups import MODES, memo_with_offload, with_lora
+from hf_memo.estimator.setups import MODES, memo_with_offload, with_lora
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 mode, trainable, seq_len = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -17,7 +17,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_memo.integrations.setups import MODES
+from hf_memo.estimator.setups import MODES
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.footprint import StepProfiler, with_layers
 from hf_memo.profiler.gpu import cuda_training_step_trace, offload_inputs

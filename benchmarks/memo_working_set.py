@@ -31,7 +31,7 @@ from collections import Counter
 
 import torch
 
-from hf_memo.integrations.setups import memo_with_policy
+from hf_memo.estimator.setups import memo_with_policy
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config

@@ -7,7 +7,7 @@ runtime told to run exactly that policy (``MemoRuntime.assume_policy``), with th
 answer's length bucket (must fit) and at the next bucket (must not). With sequence parallelism the profile is rank
 0's of the real Ulysses code under a fake process group of ``K`` ranks (its all-to-all buffers included); with
 ZeRO, the profile's parameter, gradient and optimizer bytes are replaced by DeepSpeed's
-(:func:`~hf_memo.integrations.cluster.rank_peak`, no all-to-all added: it is in the profile).
+(:func:`~hf_memo.estimator.cluster.rank_peak`, no all-to-all added: it is in the profile).
 
     python benchmarks/policy_exactness.py                 # writes benchmarks/results/<date>-cpu/policy_exactness.*
     python benchmarks/policy_exactness.py --only "8 GPUs"  # reruns the questions whose name starts so; keeps the rest
@@ -19,8 +19,9 @@ import argparse
 import json
 import time
 
+from hf_memo.estimator.estimate import estimate
 from hf_memo.integrations.cli import build_parser
-from hf_memo.integrations.estimate import cluster_of, estimate, memory_of
+from hf_memo.integrations.estimate import cluster_of, memory_of
 from hf_memo.runtime.buckets import bucket_length
 
 from common import add_out_option, fresh_process_json, results_folder
@@ -38,9 +39,9 @@ QUESTIONS = {
 }
 DIRECT = """
 import json, sys, torch
-from hf_memo.integrations.cluster import Cluster, rank_peak, rank_state_bytes
-from hf_memo.integrations.estimate import model_states
-from hf_memo.integrations.setups import memo_with_policy, with_lora
+from hf_memo.estimator.cluster import Cluster
+from hf_memo.estimator.model_states import model_states, rank_peak, rank_state_bytes
+from hf_memo.estimator.setups import memo_with_policy, with_lora
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.footprint import StepProfiler

@@ -17,8 +17,8 @@ import json
 import platform
 import time
 
-from hf_memo.integrations.cluster import DEVICE_RESERVE, HOST_RESERVE_NODE, HOST_RESERVE_PER_RANK, PINNABLE_FRACTION
-from hf_memo.integrations.estimate import estimate
+from hf_memo.estimator.cluster import DEVICE_RESERVE, HOST_RESERVE_NODE, HOST_RESERVE_PER_RANK, PINNABLE_FRACTION
+from hf_memo.estimator.estimate import estimate
 from hf_memo.profiler.shapes import builtin_config
 
 from common import add_out_option, results_folder, tiny_llama

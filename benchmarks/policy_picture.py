@@ -16,9 +16,11 @@ import argparse
 
 import torch
 
-from hf_memo.integrations.fitted import FittedFootprint
-from hf_memo.integrations.memo_estimate import DEFAULT_GPU, Budget, MemoModel, gpu_of
-from hf_memo.integrations.setups import MODES, memo_with_offload, memo_with_policy, with_lora
+from hf_memo.estimator.fitted import FittedFootprint
+from hf_memo.estimator.memo_policy import MemoModel
+from hf_memo.estimator.question import Budget
+from hf_memo.estimator.setups import MODES, memo_with_offload, memo_with_policy, with_lora
+from hf_memo.estimator.time_model import DEFAULT_GPU, gpu_of
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 

@@ -3,7 +3,7 @@
 For model shapes whose query heads the degree does not divide, each rank of a fake process group (its collectives
 move nothing, tensors keep their shapes) runs hf_memo's Ulysses core (forward and backward) on its shard; the bytes
 it holds beyond the single-GPU core are measured with the allocation recorder of the fake profiles and compared with
-the per-rank memory model (:func:`~hf_memo.integrations.cluster.all_to_all_bytes`, rank 0's). Attention's time grows
+the per-rank memory model (:func:`~hf_memo.estimator.cluster.all_to_all_bytes`, rank 0's). Attention's time grows
 with a rank's query heads: the core's forward + backward is timed on CPU for ``⌈h/P⌉`` and ``⌊h/P⌋`` heads of the
 whole sequence: the slowest rank's time over the mean of all ranks' (the even share), against the load imbalance
 ``⌈h/P⌉ / (h/P)``.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import LlamaConfig
 
-from hf_memo.integrations.cluster import Cluster, all_to_all_bytes
+from hf_memo.estimator.cluster import Cluster, all_to_all_bytes
 from hf_memo.parallel.heads import HeadSplit
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.profiler.allocations import AllocationRecorder

@@ -19,7 +19,7 @@ from hf_memo.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from hf_memo.config import MemoConfig
-    from hf_memo.integrations.estimate import estimate
+    from hf_memo.estimator.estimate import estimate
     from hf_memo.integrations.planning import plan_training_step
     from hf_memo.integrations.trainer import MemoCallback
     from hf_memo.patches import applied_config, apply, check, memo_runtime, revert, supported_model_types
@@ -32,7 +32,7 @@ _PUBLIC = {  # name -> the module it comes from
     "applied_config": "hf_memo.patches",
     "apply": "hf_memo.patches",
     "check": "hf_memo.patches",
-    "estimate": "hf_memo.integrations.estimate",
+    "estimate": "hf_memo.estimator.estimate",
     "memo_runtime": "hf_memo.patches",
     "plan_training_step": "hf_memo.integrations.planning",
     "revert": "hf_memo.patches",

@@ -37,7 +37,7 @@ hf_logging.set_verbosity_error()
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
-# The estimator's on-disk cache of fits (hf_memo.integrations.fit_cache): a fresh folder for each test process (and
+# The estimator's on-disk cache of fits (hf_memo.estimator.fit_cache): a fresh folder for each test process (and
 # the commands it starts), removed at its end; never the user's, so no test reads a fit that another run wrote.
 os.environ["HF_MEMO_CACHE_DIR"] = tempfile.mkdtemp(prefix="hf_memo_test_cache_")
 atexit.register(shutil.rmtree, os.environ["HF_MEMO_CACHE_DIR"], True)
@@ -191,16 +191,16 @@ def fake_world():
 # The longest modules first (seconds on 2 cores, most first): with ``--dist loadscope`` each module goes whole to the
 # next free worker, so the run ends on short modules instead of one worker waiting for the other's long one.
 LONGEST_FIRST = (
-    "test_integrations_policy_footprint.py",
+    "test_estimator_policy_footprint.py",
     "test_benchmarks_suite.py",
-    "test_integrations_estimate.py",
+    "test_estimator_estimate.py",
     "test_integrations_policy_sizing.py",
     "test_parallel_zero3.py",
     "test_parallel_causal_lm.py",
     "test_benchmarks.py",
     "test_benchmarks_loss_curves.py",
     "test_runtime_memo_live_graphs.py",
-    "test_integrations_fitted.py",
+    "test_estimator_fitted.py",
 )
 
 

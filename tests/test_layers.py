@@ -1,10 +1,9 @@
 """The package's imports point one way, as the README's layer picture says, and no module imports itself back.
 
-__main__ -> integrations -> patches -> parallel -> runtime / minseq -> planner / profiler -> config / units / data /
-lazy_names.
-Every import in a
-module counts, also one inside a function (a call-time import is still a dependency). The package's own
-``__init__`` (the public surface) may import anything; nothing inside the package imports it.
+__main__ -> integrations -> estimator -> patches -> parallel -> runtime / minseq -> planner / profiler ->
+config / units / data / lazy_names. Every import in a module counts, also one inside a function (a call-time import
+is still a dependency). The package's own ``__init__`` (the public surface) may import anything; nothing inside the
+package imports it.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ LAYERS = {
     "minseq": 2,
     "parallel": 3,
     "patches": 4,
-    "integrations": 5,
-    "__main__": 6,  # python -m hf_memo: the command line
+    "estimator": 5,  # hf_memo.estimate and its fits
+    "integrations": 6,
+    "__main__": 7,  # python -m hf_memo: the command line
 }
 
 

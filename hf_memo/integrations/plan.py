@@ -22,7 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from hf_memo.integrations.setups import (
+from hf_memo.estimator.setups import (
     CURRENT_MODES,
     DTYPES,
     MODES,

@@ -1,7 +1,7 @@
 """The device bytes of a memo policy on a patched model, from fake-tensor profiles of a copy running that policy.
 
 The runtime decides a step shape's policy with the solver; this sizes the answer as the estimator does
-(:mod:`~hf_memo.integrations.policy_footprint`): a few profiles of short steps of copies of the model (same config,
+(:mod:`~hf_memo.estimator.policy_footprint`): a few profiles of short steps of copies of the model (same config,
 dtype, PEFT adapters and hf_memo config, blocks of 3 and 4 layers) running policies of the same block structure,
 with the workspace the attention kernels of the model's device allocate. Each block structure is profiled once per
 model and batch size; every length and layer count is then read off its closed form.
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs
-from hf_memo.integrations.setups import Chunks
+from hf_memo.estimator.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs
+from hf_memo.estimator.setups import Chunks
 from hf_memo.patches.apply import applied_config, apply, causal_lm_of, memo_runtime
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.fake_model import FakeSession

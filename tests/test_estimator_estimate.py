@@ -5,9 +5,9 @@ import sys
 import pytest
 from transformers import GPT2LMHeadModel
 
+from hf_memo.estimator.estimate import estimate
+from hf_memo.estimator.setups import MODES, Mode
 from hf_memo.integrations import cli
-from hf_memo.integrations.estimate import estimate
-from hf_memo.integrations.setups import MODES, Mode
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.phases import decoder_layers
 from hf_memo.profiler.placement import mark_host
@@ -29,7 +29,7 @@ def config_path(tmp_path_factory):
 def profiled(config_path):
     """The module's answer, every mode profiled in 2 processes, and each batch of profile jobs it ran with their
     traces."""
-    from hf_memo.integrations import estimate as module
+    from hf_memo.estimator import estimate as module
 
     ran = []
 
@@ -86,7 +86,7 @@ def test_memo_fits_some_policy_up_to_its_longest_sequence_and_none_past_it(confi
 def test_where_the_solver_finds_no_policy_a_fitting_smallest_one_is_the_answer(config_path, result, monkeypatch):
     """The solver's cost model can find nothing where a policy fits by its own profile (with little pinned memory its
     device room is that of two device layers): the answer is then the fastest smallest policy that fits."""
-    from hf_memo.integrations import memo_estimate
+    from hf_memo.estimator import memo_policy as memo_estimate
     from hf_memo.planner.policy_solver import PolicyDoesNotFit
 
     def no_policy(*args, **kwargs):
@@ -214,7 +214,7 @@ def test_the_command_exits_2_without_a_traceback():
 
 
 def test_eight_gpus_shard_the_model_states_and_split_the_sequence(config_path):
-    from hf_memo.integrations.cluster import Cluster
+    from hf_memo.estimator.cluster import Cluster
 
     one = estimate(config_path, 8192, gpu_memory=24 * MiB, modes=["full"], search=False, progress=False)
     with pytest.raises(ValueError, match="sequence_parallel=8 exceeds the model's num_attention_heads=4 .* is 4"):
@@ -234,14 +234,14 @@ def test_the_answer_depends_neither_on_the_workers_nor_on_the_order_of_the_modes
     """Profiles made in the module's 2 worker processes equal the same jobs run again here (a sample of every batch:
     memo's answer is made of such profiles alone), and two modes asked again, in the other order and profiled in
     this process, give the module's answers."""
-    from hf_memo.integrations import estimate as module
+    from hf_memo.estimator import fit_cache as fits
 
     result, ran = profiled
     assert len(ran) >= 2 and all(len(jobs) == len(traces) for jobs, traces in ran)
     for jobs, traces in ran:
         for index in sorted({0, len(jobs) // 2, len(jobs) - 1}):
             assert jobs[index]() == traces[index], index
-    monkeypatch.setattr(module, "_CLOSED_FORMS", {})  # profile everything again
+    monkeypatch.setattr(fits, "PROCESS_FITS", {})  # profile everything again
     modes = ("hf-checkpointing", "hf")
     again = estimate(config_path, 4096, gpu_memory=24 * MiB, modes=modes, workers=1, progress=False)
     for mode in modes:
@@ -285,8 +285,9 @@ def test_lora_settings_need_trainable_lora_in_python_too():
 def test_the_recipes_lora_trains_525m_more_parameters_of_llama_3_8b_than_pefts_default():
     import torch
 
-    from hf_memo.integrations.cluster import Cluster
-    from hf_memo.integrations.estimate import lora_of, model_states
+    from hf_memo.estimator.cluster import Cluster
+    from hf_memo.estimator.model_states import model_states
+    from hf_memo.estimator.question import lora_of
     from hf_memo.profiler.shapes import load_config
 
     config = load_config("llama-3-8b")
@@ -301,7 +302,7 @@ def test_the_recipes_lora_trains_525m_more_parameters_of_llama_3_8b_than_pefts_d
 
 
 def test_cli_prints_the_host_memory_first_and_sizes_the_lora_it_is_told(capsys, config_path):
-    from tests.test_integrations_setups import real_trainable
+    from tests.test_estimator_setups import real_trainable
     from tests.test_profiler_step import CONFIGS
 
     argv = ["estimate", "--model", config_path, "--seq-len", "1k", "--gpu-memory", "24MiB", "--modes", "hf"]

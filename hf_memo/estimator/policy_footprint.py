@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hf_memo.integrations.fitted import PROFILE_SEQ_LEN, ConfigFacts, chunk_rows, sized_for_bucket
-from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
+from hf_memo.estimator.fitted import PROFILE_SEQ_LEN, ConfigFacts, chunk_rows, sized_for_bucket
+from hf_memo.estimator.setups import AUTO_CHUNKS, Chunks
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.closed_form import ClosedForm, Restate

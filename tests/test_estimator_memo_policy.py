@@ -3,15 +3,9 @@
 import pytest
 from transformers import LlamaConfig
 
-from hf_memo.integrations.fitted import chunk_rows
-from hf_memo.integrations.memo_estimate import (
-    MAX_ALPHA_STEPS,
-    Gpu,
-    LayerFlops,
-    alpha_steps,
-    attention_imbalance,
-    step_seconds,
-)
+from hf_memo.estimator.fitted import chunk_rows
+from hf_memo.estimator.memo_policy import MAX_ALPHA_STEPS, alpha_steps
+from hf_memo.estimator.time_model import Gpu, LayerFlops, attention_imbalance, step_seconds
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.runtime.alpha import quantise
 

@@ -21,7 +21,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from hf_memo.config import MemoConfig
-from hf_memo.integrations.setups import AUTO_CHUNKS, Chunks
+from hf_memo.estimator.setups import AUTO_CHUNKS, Chunks
 from hf_memo.minseq.chunking import resolve_chunks
 from hf_memo.profiler.closed_form import ClosedForm, Restate, StepSize
 from hf_memo.profiler.footprint import Footprint, StepProfiler

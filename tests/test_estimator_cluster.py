@@ -10,21 +10,25 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_memo.integrations import cli
-from hf_memo.integrations.cluster import (
+from hf_memo.estimator.cluster import (
     DEVICE_RESERVE,
     HOST_RESERVE_NODE,
     HOST_RESERVE_PER_RANK,
     PINNABLE_FRACTION,
     Cluster,
     DeepSpeedConfig,
-    ModelStates,
     all_to_all_bytes,
+)
+from hf_memo.estimator.estimate import estimate
+from hf_memo.estimator.model_states import (
+    ModelStates,
+    model_states,
+    rank_budget,
     rank_peak,
     rank_state_bytes,
     rank_states,
 )
-from hf_memo.integrations.estimate import estimate, model_states, rank_budget
+from hf_memo.integrations import cli
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.profiler.allocations import AllocationRecorder
 from hf_memo.profiler.analysis import Peak, peak

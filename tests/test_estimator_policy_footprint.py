@@ -5,8 +5,8 @@ import random
 import pytest
 from transformers import LlamaConfig
 
-from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, PolicySize, fit_jobs
-from hf_memo.integrations.setups import memo_with_policy
+from hf_memo.estimator.policy_footprint import PolicyFootprint, PolicyShape, PolicySize, fit_jobs
+from hf_memo.estimator.setups import memo_with_policy
 from hf_memo.planner.policy import LayerPolicy
 from hf_memo.profiler.analysis import peak
 from hf_memo.profiler.footprint import StepProfiler

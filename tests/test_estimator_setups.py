@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hf_memo.integrations.setups import Lora, with_lora
+from hf_memo.estimator.setups import Lora, with_lora
 from hf_memo.profiler.fake_model import fake_causal_lm
 from tests.test_profiler_step import CONFIGS
 

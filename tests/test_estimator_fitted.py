@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_memo.integrations.fitted import FittedFootprint, chunk_rows
-from hf_memo.integrations.setups import AUTO_CHUNKS, MODES, memo_with_offload
+from hf_memo.estimator.fitted import FittedFootprint, chunk_rows
+from hf_memo.estimator.setups import AUTO_CHUNKS, MODES, memo_with_offload
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.shapes import builtin_config
 
@@ -43,7 +43,7 @@ def test_chunk_rows_follow_the_runtime_rule():
 @pytest.mark.parametrize(
     "mode,lengths",
     # memo: one length just past a bucket boundary, the hardest case (host buffers 3.1% longer than the step); whole
-    # buckets, as long as their steps, are checked against direct profiles in test_integrations_policy_footprint.py
+    # buckets, as long as their steps, are checked against direct profiles in test_estimator_policy_footprint.py
     # full and selective (hf_memo's own recompute): one length each, past the shortest chunk rows
     [("minseq", (16384, 65536, 262144)), ("memo", (65537,)), ("full", (65536,)), ("selective", (65536,))],
 )

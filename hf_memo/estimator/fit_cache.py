@@ -1,7 +1,7 @@
 """The estimator's on-disk cache of fitted closed forms: a question asked before profiles nothing.
 
-A closed form (:class:`~hf_memo.integrations.fitted.FittedFootprint`, memo's
-:class:`~hf_memo.integrations.memo_estimate.MemoModel` with every block structure profiled so far) and the model
+A closed form (:class:`~hf_memo.estimator.fitted.FittedFootprint`, memo's
+:class:`~hf_memo.estimator.memo_policy.MemoModel` with every block structure profiled so far) and the model
 states' counts depend on the model's config, the setup (mode, trainable, LoRA, optimizer, dtype, batch size,
 sequence parallelism, the positions the model allows) and the code that ran the profiles: hf_memo's, PyTorch's,
 Transformers' and PEFT's. An entry's key is a SHA-256 of all of them, hf_memo's sources included (its version
@@ -126,3 +126,8 @@ class FitCache:
         finally:
             if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
+
+
+# This process's closed forms and model states, by what they depend on: a repeated question profiles nothing.
+# Profiles are deterministic and each starts from a fresh model, so reusing a closed form changes no answer.
+PROCESS_FITS: dict[tuple, Any] = {}

@@ -1,11 +1,11 @@
-"""The memo mode in ``hf-memo estimate``: the memory policy the runtime's solver picks, and FLOP-based step times.
+"""The memo mode in ``hf-memo estimate``: the memory policy the runtime's solver picks, sized by its own profiles.
 
 The solver (:func:`~hf_memo.planner.policy_solver.solve_policy`) needs a layer's stash bytes: ``S_in + S_attn``
 from the shapes (the layer input, the attention output and its statistics), ``S_other`` from the host bytes of
 the smallest MEMO policy (every layer but the top two keeps ``X`` and the attention output on the host) profiled
 at ``alpha = 0`` and at ``alpha = 1``. Its answer is only a candidate: the memory of the policy it
 picks is never arithmetic on another policy's peak: it is read off profiles of that policy
-(:mod:`~hf_memo.integrations.policy_footprint`), the runtime told to run exactly it, working sets included.
+(:mod:`~hf_memo.estimator.policy_footprint`), the runtime told to run exactly it, working sets included.
 
 Like the runtime, which decides once per length bucket (:mod:`hf_memo.runtime.buckets`), the policy and memory of
 a step are those of the longest step of its bucket (at most 1/32 longer): the host buffers are that size.
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from hf_memo.integrations.fitted import BASE_CHUNKS, ConfigFacts, ProfilePlan, chunk_rows, trace_at
-from hf_memo.integrations.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
-from hf_memo.integrations.setups import DEPRECATED_MODES, MODES, Chunks
-from hf_memo.parallel.heads import HeadSplit
+from hf_memo.estimator.fitted import BASE_CHUNKS, ConfigFacts, ProfilePlan, chunk_rows, trace_at
+from hf_memo.estimator.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
+from hf_memo.estimator.question import Budget
+from hf_memo.estimator.setups import Chunks
+from hf_memo.estimator.time_model import Gpu, ModelFacts, attention_imbalance
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
 from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
 from hf_memo.profiler.analysis import Peak, peak
@@ -35,8 +36,8 @@ from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.runtime.buckets import bucket_length
 
 if TYPE_CHECKING:
-    from torch import nn
     from transformers import PretrainedConfig
+
 
 # The finest alpha grid the estimator solves on: coarser than the runtime's 1/16, so that the profiles of a chosen
 # policy cut at most 8 MLP chunks (16 in the fit's second profile) and take seconds; the policy is a little slower
@@ -54,92 +55,6 @@ def alpha_steps(config: PretrainedConfig, batch_size: int, seq_len: int) -> int:
 
 
 @dataclass(frozen=True)
-class Gpu:
-    """What the cost model needs of a GPU: bf16 dense peak FLOP/s and host<->device bytes/s per direction."""
-
-    name: str
-    peak_flops: float
-    host_bandwidth: float
-
-
-# Peak: vendor data sheets (see hf_memo.integrations.flops). Bandwidth: a pinned-copy rate well below the
-# PCIe link's (Gen5 x16: 64 GB/s) so that the predicted copy exposure is not optimistic.
-GPUS = {
-    "h100": Gpu("H100 SXM", 989e12, 25e9),
-    "h200": Gpu("H200 SXM", 989e12, 25e9),
-    "a100": Gpu("A100", 312e12, 12.5e9),
-}
-DEFAULT_GPU = "h100"
-
-
-@dataclass(frozen=True)
-class LayerFlops:
-    """FLOP counts of one decoder layer on ``tokens`` tokens in sequences of ``seq_len``."""
-
-    matmul_weights: int  # elements of the layer's weights taking part in matrix products
-    trainable_weights: int
-    attention_width: int  # heads x head dimension
-
-    @classmethod
-    def of(cls, model: nn.Module) -> LayerFlops:
-        """Counts of the first decoder layer of ``model`` (a ``*ForCausalLM`` or a PEFT model around one)."""
-        from hf_memo.profiler.phases import decoder_layers
-
-        layer = decoder_layers(model)[0]
-        weights = [p for p in layer.parameters() if p.dim() >= 2]
-        text = (model.config if hasattr(model, "config") else model.get_base_model().config).get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(
-            sum(p.numel() for p in weights),
-            sum(p.numel() for p in weights if p.requires_grad),
-            text.num_attention_heads * head_dim,
-        )
-
-    def seconds(
-        self, batch_size: int, seq_len: int, peak_flops: float, attention_scale: float = 1.0
-    ) -> tuple[float, float, float]:
-        """``(T_f, T_b, T_attn)``: forward, backward (no recompute) and the attention core's forward, the attention
-        core's FLOPs times ``attention_scale`` (the busiest rank's share under sequence parallelism:
-        :func:`attention_imbalance`)."""
-        tokens = batch_size * seq_len
-        attention = 2.0 * batch_size * seq_len * seq_len * self.attention_width * attention_scale  # QK^T and PV
-        matmul = 2.0 * self.matmul_weights * tokens
-        weight_grads = 2.0 * self.trainable_weights * tokens
-        return (
-            (matmul + attention) / peak_flops,
-            (matmul + weight_grads + 2 * attention) / peak_flops,
-            (attention / peak_flops),
-        )
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the step-time bound and a rank's accounting read off a (fake) copy of the trained model, kept beside a
-    closed form so that a cached one answers without building the model again."""
-
-    element_size: int  # bytes of one element of the weights (and so of the activations)
-    flops: LayerFlops  # of one decoder layer
-    head_weights: int  # elements of the LM head's weight (0: no output embedding)
-    head_trainable: bool  # whether the LM head's weight takes gradients
-
-    @classmethod
-    def of(cls, model: nn.Module) -> ModelFacts:
-        """The facts of ``model`` (a ``*ForCausalLM`` or a PEFT model around one)."""
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        return cls(
-            next(p for p in model.parameters() if p.dim() >= 2).element_size(),
-            LayerFlops.of(model),
-            0 if head is None else head.weight.numel(),
-            head is not None and head.weight.requires_grad,
-        )
-
-    def head_seconds(self, batch_size: int, seq_len: int, gpu: Gpu) -> float:
-        """FLOP-based seconds of the LM head's forward and backward on ``(batch_size, seq_len)`` tokens."""
-        factor = 6.0 if self.head_trainable else 4.0
-        return factor * self.head_weights * batch_size * seq_len / gpu.peak_flops
-
-
-@dataclass(frozen=True)
 class MemoProfile:
     """What the solver needs of the memo mode at one length (one rank's).
 
@@ -153,34 +68,6 @@ class MemoProfile:
     base_bytes: float
     costs: LayerCosts
     state_host: int = 0  # host bytes of the rank's offloaded model states (optimizer offload)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """One rank's memory: device bytes, its share of the node's host memory and of what may be pinned there
-    (``None``: no limit)."""
-
-    device: float
-    host: float | None = None
-    pinned: float | None = None
-
-    def shares(self, device: float, host: float, pinned: float) -> dict[str, float]:
-        """The fraction of each budget used (``"device"``, ``"host"``, ``"pinned"``; unlimited ones left out)."""
-        shares = {"device": device / self.device}
-        if self.host is not None:
-            shares["host"] = host / max(self.host, 1.0)
-        if self.pinned is not None:
-            shares["pinned"] = pinned / max(self.pinned, 1.0)
-        return shares
-
-    def stash_room(self, state_host: float) -> float:
-        """Host bytes offloaded activations may take beside ``state_host`` bytes of offloaded model states."""
-        room = float(2**60)
-        if self.host is not None:
-            room = min(room, self.host - state_host)
-        if self.pinned is not None:
-            room = min(room, self.pinned)
-        return max(room, 0.0)
 
 
 @dataclass(frozen=True)
@@ -217,7 +104,7 @@ class MemoModel:
 
     Two kinds of profiles serve two purposes. The solver's per-layer bytes: ``S_in + S_attn`` from the shapes,
     ``S_other`` from profiles of the smallest MEMO policy at ``alpha = 0`` and ``alpha = 1``. The memory of a policy
-    is that policy's own profile: :class:`~hf_memo.integrations.policy_footprint.PolicyFootprint` fits every policy
+    is that policy's own profile: :class:`~hf_memo.estimator.policy_footprint.PolicyFootprint` fits every policy
     made of the same blocks of layers at once; the smallest policies' are profiled with the rest, others' when a
     policy of theirs is first chosen (``run_jobs`` runs them). An answer is the solver's policy whose own profile
     fits the budgets: when it does not, the solver runs again with the budget short by what was over.
@@ -231,7 +118,7 @@ class MemoModel:
         sequence_parallel: ranks ``K`` a sequence is split over: profiles are of one rank's ``S / K`` tokens, FLOPs
             of one rank's share.
         adjust: ``adjust(device_peak, seq_len)`` -> ``(rank's device peak, host bytes of its model states)`` (see
-            :func:`~hf_memo.integrations.cluster.rank_peak`); by default the single-GPU peak, nothing on the host.
+            :func:`~hf_memo.estimator.cluster.rank_peak`); by default the single-GPU peak, nothing on the host.
         traces: the results of :meth:`jobs` in their order, if they were run already (e.g. side by side with other
             modes' profiles); by default they are run here, one after the other.
         policy_profiler_for: ``policy_profiler_for(policy, chunks)`` -> a fresh-model :class:`StepProfiler` of the
@@ -451,49 +338,3 @@ class MemoModel:
                 seconds = policy_seconds(layers, profile.costs, self.gpu.host_bandwidth)
                 return MemoChoice(MemoryPolicy(layers, seconds), device, host)
         return None
-
-
-def attention_imbalance(config: PretrainedConfig, ranks: int) -> float:
-    """How much longer than an even split attention takes on the busiest of ``ranks`` sequence-parallel ranks:
-    ``⌈h/P⌉ / (h/P)`` (:class:`~hf_memo.parallel.heads.HeadSplit`), 1 on one rank."""
-    if ranks == 1:
-        return 1.0
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    return HeadSplit(heads, getattr(text, "num_key_value_heads", None) or heads, ranks).imbalance
-
-
-def step_seconds(
-    mode: str,
-    flops: LayerFlops,
-    layers: int,
-    head_seconds: float,
-    batch_size: int,
-    seq_len: int,
-    gpu: Gpu,
-    attention_scale: float = 1.0,
-) -> float:
-    """FLOP-based step time of a mode that does not offload: ``vanilla`` keeps everything, the others
-    recompute every decoder layer's forward in backward (Hugging Face checkpointing); attention's FLOPs times
-    ``attention_scale`` (see :meth:`LayerFlops.seconds`)."""
-    forward, backward, _ = flops.seconds(batch_size, seq_len, gpu.peak_flops, attention_scale)
-    recompute = forward if MODES[DEPRECATED_MODES.get(mode, (mode,))[0]].recomputes_layers else 0.0
-    return layers * (forward + backward + recompute) + head_seconds
-
-
-def head_seconds(model: nn.Module, batch_size: int, seq_len: int, gpu: Gpu) -> float:
-    """FLOP-based seconds of the LM head's forward and backward (see :meth:`ModelFacts.head_seconds`)."""
-    return ModelFacts.of(model).head_seconds(batch_size, seq_len, gpu)
-
-
-def model_flops(flops: LayerFlops, layers: int, head: float, batch_size: int, seq_len: int, gpu: Gpu) -> float:
-    """Model FLOPs of the step (no recompute): what MFU counts."""
-    forward, backward, _ = flops.seconds(batch_size, seq_len, gpu.peak_flops)
-    return (layers * (forward + backward) + head) * gpu.peak_flops
-
-
-def gpu_of(name: str) -> Gpu:
-    """The cost model's GPU called ``name`` (``"h100"``, ``"h200"``, ``"a100"``)."""
-    if name.lower() not in GPUS:
-        raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {name!r}")
-    return GPUS[name.lower()]
