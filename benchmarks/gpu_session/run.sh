@@ -5,7 +5,9 @@
 #   run(command="bash benchmarks/gpu_session/run.sh checks", carry=[".whl", ".gpu_checks"], timeout_s=540)
 #       call 1, at most 8 min with its install: versions, ../shared/gpu_checks (e2e and review as they are there;
 #       attn_core and overlap from this folder, ported to today's runtime API: the shared ones fail at once),
-#       tests/*_gpu.py, overlap, sanitizer
+#       tests/*_gpu.py, overlap, sanitizer, then memo_truth (its last 120 s are kept for it: the steps before stop
+#       by budget - 120): one memo step of 4 Llama-3-8B layers at 65,536 tokens per policy kind against the
+#       predictions prepare.sh profiled here (.gpu_checks/memo_truth/), and the GQA flash backward's workspace
 #   run(command="bash benchmarks/gpu_session/run.sh truth", carry=[".whl", ".gpu_checks"], timeout_s=420)
 #       call 2, at most 6 min: memory truth (the fake-tensor estimate beside max_memory_allocated, 4 Llama-3-8B
 #       layers at 32K) and speed (suite "acceptance", side by side at 32K). The estimator's own prediction needs no
@@ -97,11 +99,12 @@ else
 fi
 echo "=== $part on $dev, budget $budget s from the start, results in $results" | tee -a "$log"
 deadline=$budget
+kept=0 # seconds at the end of the budget kept for later steps (the steps before them stop by deadline - kept)
 
 step() { # step NAME LIMIT_S COMMAND...: run COMMAND into $results/NAME.txt, at most LIMIT_S (and the deadline)
     local name=$1 limit=$2
     shift 2
-    local left=$((deadline - SECONDS))
+    local left=$((deadline - kept - SECONDS))
     if ((left < 15)); then
         echo "=== $name: skipped, no time left" | tee -a "$log"
         return
@@ -125,6 +128,7 @@ gpu_step() { # gpu_step NAME LIMIT_S COMMAND...: a step that means nothing witho
 
 case $part in
 checks)
+    kept=120 # memo_truth's
     step environment 45 bash -c 'nvidia-smi || echo "no nvidia-smi"; python3 -c "
 import importlib.metadata as m, os, sys, torch
 print(\"python\", sys.version.split()[0], sys.executable)
@@ -150,6 +154,16 @@ print(\"hf_memo\", hf_memo.__version__, hf_memo.__file__, \"transformers importe
     step review 90 python3 .gpu_checks/review_check.py "$dev"
     gpu_step overlap 45 python3 benchmarks/gpu_session/overlap_check.py 32768 auto "$results"
     gpu_step sanitizer 60 env TORCH_CUDA_SANITIZER=1 python3 benchmarks/gpu_session/attn_core_check.py cuda
+    kept=0
+    truth_limit=$((deadline - SECONDS < 120 ? deadline - SECONDS : 120)) # what step will give it
+    if [[ $dev == cuda ]]; then # no new policy starts within 15 s of its limit; its JSON is written as it goes
+        step memo_truth 120 python3 benchmarks/gpu_session/memo_truth.py measure --workspace-first \
+            --predictions .gpu_checks/memo_truth/predictions.json --out "$results/memo_truth" \
+            --time-limit $((truth_limit - 5)) --reserve-s 15
+    else
+        step memo_truth 120 python3 benchmarks/gpu_session/memo_truth.py measure --dry-run --steps 1 \
+            --out "$results/memo_truth" --time-limit $((truth_limit - 5)) --reserve-s 15
+    fi
     ;;
 truth)
     gpu_step estimate_vs_cuda_32768 90 python3 benchmarks/estimate_vs_cuda.py --seq-len 32768 \
