@@ -185,3 +185,10 @@ def test_the_solver_matches_brute_force_with_bytes_fetched_late(seed):
         return
     policy = solve_policy(n, costs, bandwidth, device_budget, host_budget, steps)
     assert policy.predicted_step_seconds == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_fetch_split_charges_late_bytes_only_for_a_blocked_backward():
+    from hf_memo.planner.policy_solver import fetch_split
+
+    assert fetch_split(False, 10.0, 5.0) == {"ahead_bytes": math.inf, "streamed_bytes": 0.0}
+    assert fetch_split(True, 10.0, 5.0) == {"ahead_bytes": 10.0, "streamed_bytes": 5.0}

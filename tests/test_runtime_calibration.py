@@ -35,6 +35,9 @@ def test_bytes_per_token_do_not_depend_on_the_probe_length():
     # layer input (32) and attention output (4 heads x 8) in fp64, + 4 fp64 softmax statistics
     assert (kept.input, kept.attention) == (32 * 8, 32 * 8 + 4 * 8) and kept.fixed == kept.input + kept.attention
     assert kept.other > kept.fixed  # norms, projections, RoPE and the MLP save more than input and output
+    # a blocked backward's keys' and values' gradient sums (2 KV heads x (8 + 8), fp64) and the output alone
+    kv_heads = split.layer.self_attn.config.num_key_value_heads
+    assert (kept.key_sums, kept.output) == (kv_heads * 16 * 8, 4 * 8 * 8)
 
 
 def test_probing_leaves_the_rng_and_no_references_behind():

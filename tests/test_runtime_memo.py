@@ -250,6 +250,30 @@ def test_the_policy_reports_the_alpha_the_executor_runs(chunks):
     )
 
 
+def test_the_solver_is_told_what_a_blocked_backward_fetches_late(monkeypatch):
+    """A host layer's stash comes ahead only as far as the keys' gradient sums of the layer above give memory back
+    (its blocked backward), its kept output chunk by chunk: the costs the solver gets say so; with planned memory
+    (the stash fetched whole ahead) they do not."""
+    solved = []
+
+    def recording(layers, costs, *args):
+        solved.append(costs)
+        return real(layers, costs, *args)
+
+    real = memo_module.solve_policy
+    monkeypatch.setattr(memo_module, "solve_policy", recording)
+    split, x = _split_and_input()
+    kept = layer_bytes_per_token(split, x)
+    tokens = x.shape[0] * x.shape[1]  # 32 tokens: a bucket's longest length
+    for planned, ahead, streamed in ((False, kept.key_sums * tokens, kept.output * tokens), (True, math.inf, 0.0)):
+        config = MemoConfig(recompute="memo", device_memory_limit="1GiB", layer_time=1e-3, host_bandwidth=1e9)
+        runtime = MemoRuntime(config, num_layers=6)
+        runtime.planned_memory = planned
+        runtime.alpha_chunks(split, x, chunk_bounds(32, 4), LocalAttention, 0)
+        assert (solved[-1].ahead_bytes, solved[-1].streamed_bytes) == (ahead, streamed), planned
+    assert 0 < kept.key_sums * tokens < math.inf
+
+
 def test_measured_times_a_few_percent_apart_decide_the_same_policy(monkeypatch):
     """Timing noise (0.93 s against 0.95 s) falls on one grid point: both runs plan alike."""
     split, x = _split_and_input()

@@ -28,7 +28,14 @@ from hf_memo.estimator.question import Budget
 from hf_memo.estimator.setups import Chunks
 from hf_memo.estimator.time_model import Gpu, ModelFacts, attention_imbalance
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
-from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
+from hf_memo.planner.policy_solver import (
+    LayerCosts,
+    PolicyDoesNotFit,
+    fetch_split,
+    policy_memory,
+    policy_seconds,
+    solve_policy,
+)
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.closed_form import Restate
 from hf_memo.profiler.footprint import StepProfiler
@@ -264,6 +271,13 @@ class MemoModel:
             self._batch_size, seq_len * k, self.gpu.peak_flops, attention_imbalance(self.config, k)
         )
         forward, backward, attention = (t / k for t in whole)
+        # The profiles' executor runs a layer's backward in blocks of queries (memory unplanned) unless the sequence
+        # is split over ranks or a window hides keys: the layer below is then fetched ahead only as far as the keys'
+        # gradient sums (float32 for half inputs) give memory back, and a kept output is read chunk by chunk.
+        window = getattr(text, "sliding_window", None)
+        blocked = k == 1 and not (window and window < seq_len)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        sums = tokens * kv_heads * 2 * head_dim * max(element, 4)
         costs = LayerCosts(
             input_bytes=input_bytes,
             attention_bytes=float(tokens * heads * (head_dim * element + 4)),
@@ -272,6 +286,7 @@ class MemoModel:
             backward_seconds=backward,
             attention_seconds=attention,
             other_seconds=forward - attention,
+            **fetch_split(blocked, sums, tokens * heads * head_dim * element),
         )
         smallest = smallest_policy(self.layers, 2)
         device, host = self.memory(smallest, seq_len)

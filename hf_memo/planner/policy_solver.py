@@ -101,6 +101,16 @@ class PolicyDoesNotFit(ValueError):
         self.host_shortfall = host_shortfall
 
 
+def fetch_split(blocked: bool, key_sums_bytes: float, output_bytes: float) -> dict[str, float]:
+    """``LayerCosts``' ``ahead_bytes`` and ``streamed_bytes`` of a layer: where its backward runs in blocks (and
+    memory is not planned), the layer above's backward fetches ahead as many bytes as its keys' gradient sums
+    (``key_sums_bytes``) give back, and a kept attention output (``output_bytes``) is read one chunk of rows at a
+    time; elsewhere the whole stash is fetched ahead."""
+    if not blocked:
+        return {"ahead_bytes": math.inf, "streamed_bytes": 0.0}
+    return {"ahead_bytes": float(key_sums_bytes), "streamed_bytes": float(output_bytes)}
+
+
 def policy_memory(layers: tuple[LayerPolicy, ...], costs: LayerCosts) -> tuple[float, float]:
     """``(device bytes, host bytes)`` the kept tensors and the copy buffers of ``layers`` need at peak."""
     device = host = 0.0

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_memo.minseq.chunking import chunk_bounds
+from hf_memo.minseq.grads import summing_dtype
 from hf_memo.runtime.attention_core import LocalAttention
 from hf_memo.runtime.executor import (  # the executor's own layout steps, so the timed pattern is its pattern
     AttentionCore,
@@ -80,11 +81,17 @@ class LayerBytes:
         input: ``S_in``, the layer input ``(B, S, H)``.
         attention: ``S_attn``, the attention output ``(B, S, h*D)`` and softmax statistics ``(B, h, S)``.
         other: ``S_other``, every other saved activation (at ``alpha = 1``).
+        key_sums: the running sums of the keys' and values' gradients a blocked backward keeps (and gives back
+            chunk by chunk), ``h_kv (D_k + D_v)`` elements in the summing dtype (float32 for half inputs).
+        output: of ``attention``, the attention output ``(B, S, h*D_v)`` alone (a blocked backward reads it one chunk
+            of rows at a time).
     """
 
     input: float
     attention: float
     other: float
+    key_sums: float = 0.0
+    output: float = 0.0
 
     @property
     def fixed(self) -> float:
@@ -106,7 +113,7 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
     short = long // 2
     devices = [x.device] if x.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=x.device.type), torch.enable_grad():
-        q, _, _ = split.project(x[:, :1].detach(), 0, 1)
+        q, k, v = split.project(x[:, :1].detach(), 0, 1)
         saved = _stashed_bytes(split, x, long)
         if short > 0:
             per_token = (saved - _stashed_bytes(split, x, short)) / (x.shape[0] * (long - short))
@@ -115,7 +122,9 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
     kept = LayerBytes(x.shape[-1] * x.element_size(), heads * head_dim * q.element_size() + heads * stat_size, 0.0)
-    return LayerBytes(kept.input, kept.attention, max(per_token - kept.fixed, 0.0))
+    sums = k.shape[1] * (k.shape[-1] + v.shape[-1]) * torch.empty((), dtype=summing_dtype(k.dtype)).element_size()
+    output = heads * v.shape[-1] * q.element_size()
+    return LayerBytes(kept.input, kept.attention, max(per_token - kept.fixed, 0.0), sums, output)
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ class MemoLayerFunction(torch.autograd.Function):
         del q, k, v
         out = _sequence_major(out)
         if keep_attention:  # a blocked backward reads the output one chunk of rows at a time, each from the host
-            blocked = _runs_in_blocks(core, x.shape[1], split.traits)
+            blocked = runs_in_blocks(core, x.shape[1], split.traits)
             ctx.o_ref, ctx.lse_ref, ctx.stats = stash.add(out, blocked), stash.add(stats.lse), replace(stats, lse=None)
             # each chunk's rows are read as the largest chunk's many rows from its first (one more at most), so
             # every fetch from the host takes the same bytes
@@ -370,7 +370,7 @@ class MemoLayerFunction(torch.autograd.Function):
         # retain_graph=True: everything the layer keeps stays for the next backward through this graph
         keep = torch._C._autograd._get_current_graph_task_keep_graph()
         traits, length = ctx.split.traits, ctx.x_ref.shape[1]
-        if _runs_in_blocks(ctx.core, length, traits):
+        if runs_in_blocks(ctx.core, length, traits):
             ctx.runtime.fetch_below(stash, 0)  # then piece by piece, as it frees its keys' gradient sums
             backward = _blocked_backward
         else:
@@ -391,7 +391,7 @@ class MemoLayerFunction(torch.autograd.Function):
         return (None, None, None, None, None, None, grad_x, *sums.result())
 
 
-def _runs_in_blocks(core: AttentionCore, length: int, traits: AttentionTraits) -> bool:
+def runs_in_blocks(core: AttentionCore, length: int, traits: AttentionTraits) -> bool:
     """Whether the layer's backward runs attention one chunk of queries at a time (:mod:`.blocked_attention`): the
     core attends on this device's whole sequence of ``length`` positions (not packed, not sequence-parallel) and the
     traits allow it."""

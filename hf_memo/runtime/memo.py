@@ -19,7 +19,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from hf_memo.config import MemoConfig
 from hf_memo.planner.plan import MemoryPlan
 from hf_memo.planner.policy import LayerPolicy, MemoryPolicy
-from hf_memo.planner.policy_solver import LayerCosts, PolicyDoesNotFit, policy_memory, policy_seconds, solve_policy
+from hf_memo.planner.policy_solver import (
+    LayerCosts,
+    PolicyDoesNotFit,
+    fetch_split,
+    policy_memory,
+    policy_seconds,
+    solve_policy,
+)
 from hf_memo.runtime.alpha import quantise, solve_offload_fraction
 from hf_memo.runtime.arena import Arena, ArenaWarning
 from hf_memo.runtime.buckets import bucket_length, stretch
@@ -31,7 +38,7 @@ from hf_memo.runtime.calibration import (
     snapped,
     time_layer_forward,
 )
-from hf_memo.runtime.executor import AttentionCore, LayerSplit
+from hf_memo.runtime.executor import AttentionCore, LayerSplit, runs_in_blocks
 from hf_memo.runtime.offload import HostPool, copy_engine
 from hf_memo.runtime.stash import CopiesInFlight, DeviceSlots, LayerStash
 
@@ -107,6 +114,8 @@ class StepMeasurements:
         batch_size: sequences of the step (``tokens / batch_size`` is its bucket's length).
         device_limit: device bytes the step may use (``None``: no limit).
         device_in_use: device bytes allocated now plus the gradients the backward will allocate.
+        blocked: the layer's backward runs in blocks of queries and memory is not planned, so the layer below is
+            fetched ahead only as far as the keys' gradient sums give memory back (see ``LayerCosts``).
     """
 
     num_layers: int
@@ -122,6 +131,7 @@ class StepMeasurements:
     batch_size: int = 1
     device_limit: int | None = None
     device_in_use: int = 0
+    blocked: bool = False
 
 
 PREFETCH_SLOTS = "prefetch"
@@ -356,6 +366,7 @@ class MemoRuntime:
             backward_seconds=BACKWARD_TO_FORWARD * forward,
             attention_seconds=attention,
             other_seconds=forward - attention,
+            **fetch_split(measured.blocked, per_token.key_sums * tokens, per_token.output * tokens),
         )
         try:
             return self._sized(measured, costs)
@@ -466,6 +477,7 @@ class MemoRuntime:
             batch_size=x.shape[0],
             device_limit=device_limit,
             device_in_use=in_use,
+            blocked=runs_in_blocks(core, x.shape[1], split.traits) and not self.planned_memory,
         )
         group = getattr(core, "group", None)  # a sequence-parallel core's process group
         if group is not None and requested is None and device_budget is not None:
