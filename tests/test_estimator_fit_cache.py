@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from hf_memo.estimator import estimate as estimate_module
-from hf_memo.estimator import fit_cache as fits
+from hf_memo.estimator import fit_cache
 from hf_memo.estimator.estimate import estimate
 from hf_memo.estimator.fit_cache import FitCache, cache_dir
-from hf_memo.estimator import fit_cache
 from hf_memo.profiler.footprint import StepProfiler
 from hf_memo.profiler.workers import run_side_by_side
 from tests.test_profiler_step import CONFIGS
@@ -32,7 +31,7 @@ def config_path(tmp_path_factory):
 @pytest.fixture
 def fresh_process(monkeypatch):
     """Nothing fitted in this process (as in a new run); the profile batches run from here on are recorded."""
-    monkeypatch.setattr(fits, "PROCESS_FITS", {})
+    monkeypatch.setattr(fit_cache, "PROCESS_FITS", {})
     ran = []
 
     def recording(jobs, workers=None, on_done=None):
@@ -70,7 +69,7 @@ def cold(config_path, tmp_path_factory):
         return run_side_by_side(jobs, workers, on_done)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fits, "PROCESS_FITS", {})
+        patch.setattr(fit_cache, "PROCESS_FITS", {})
         patch.setattr(estimate_module, "run_side_by_side", recording)
         answer = estimate(config_path, 2048, cache=FitCache(folder), workers=1, progress=False, **QUESTION)
     return folder, answer, ran
@@ -92,13 +91,13 @@ def test_a_changed_key_misses_and_budgets_are_not_in_it(tmp_path, config_path, f
     question = dict(modes=["hf"], progress=False, workers=1, cache=cache)
     estimate(config_path, 4096, 24 * MiB, **question)
     assert fresh_process == [4]
-    fits.PROCESS_FITS.clear()
+    fit_cache.PROCESS_FITS.clear()
     estimate(config_path, 4096, 48 * MiB, host_memory=64 * MiB, **question)  # other budgets: the same fit
     assert fresh_process == [4]
-    fits.PROCESS_FITS.clear()
+    fit_cache.PROCESS_FITS.clear()
     estimate(config_path, 4096, 24 * MiB, batch_size=2, **question)  # another setup: fitted again
     assert fresh_process == [4, 4]
-    fits.PROCESS_FITS.clear()
+    fit_cache.PROCESS_FITS.clear()
     estimate(config_path, 4096, 24 * MiB, modes=["hf"], progress=False, workers=1, cache=False)
     assert fresh_process == [4, 4, 4]  # --no-cache reads nothing
 
