@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
 from hf_memo.config import MemoConfig
@@ -29,6 +29,7 @@ from hf_memo.parallel.groups import check_memo_not_under_deepspeed_ulysses
 from hf_memo.parallel.memo_attention import UlyssesAttention
 from hf_memo.parallel.zero3 import Zero3Regions, is_partitioned
 from hf_memo.patches.backbone import backbone_of
+from hf_memo.patches.checkpoint_call import checkpoint_call
 from hf_memo.patches.hf_checkpointing import HFCheckpointingTakeover
 from hf_memo.patches.inplace_probe import writes_into_kept_outputs
 from hf_memo.patches.layer_split import GenericSplit, LayerArguments, eval_mode, find_anatomy, outputs_not_recorded
@@ -480,8 +481,8 @@ def checkpointed_layer_forward(
         if saved is None:  # the layer's first selective step
             saved = structure.selective_saves[index] = _selective_saves(layer, run, hidden, arguments)
         context = partial(create_selective_checkpoint_contexts, partial(_keep, saved))
-        return checkpoint(run, hidden, use_reentrant=False, context_fn=context, **arguments)
-    return checkpoint(run, hidden, use_reentrant=False, **arguments)
+        return checkpoint_call(run, hidden, context_fn=context, **arguments)
+    return checkpoint_call(run, hidden, **arguments)
 
 
 def selective_saves(writes_into_matmuls: bool) -> frozenset:
