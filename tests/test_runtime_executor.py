@@ -359,23 +359,30 @@ def _view_fetches(monkeypatch):
     return fetches
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_a_chunk_of_the_kept_attention_output_comes_from_the_host_with_its_own_bytes_only(monkeypatch, batch):
-    """A chunk's rows ``(B, h, rows, D)`` of the ``(B, S, h, D)`` attention output are ``B`` runs of host memory: the
-    fetch copies those (one copy per sequence), not the span from the first sequence's rows to the last's, which
-    for ``B = 2`` is ``S + rows`` rows of every head; gradients stay exact."""
-    seq, chunks = 16, 4
+def _exact_with_view_fetches(monkeypatch, batch: int, seq: int, chunks: int, kept: int) -> list:
+    """Layer 0 on the host with ``kept`` chunks' finish graphs kept in forward, run against the reference (loss and
+    gradients exact); the views it fetched from the host, with their bytes."""
     params = _params()
     split = ToySplit(params, torch.linspace(0.5, 1.5, seq, dtype=torch.float64))
     x = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
     upstream = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
     want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
     fetches = _view_fetches(monkeypatch)
-    fn, _ = _memo(split, 0, chunks, 2)  # layer 0: on the host, every chunk's rows fetched in backward
+    fn, _ = _memo(split, 0, chunks, kept)
     got_y, got_grads = _run(fn, x, params, upstream)
     torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    return fetches
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_chunk_of_the_kept_attention_output_comes_from_the_host_with_its_own_bytes_only(monkeypatch, batch):
+    """A chunk's rows ``(B, h, rows, D)`` of the ``(B, S, h, D)`` attention output are ``B`` runs of host memory: the
+    fetch copies those (one copy per sequence), not the span from the first sequence's rows to the last's, which
+    for ``B = 2`` is ``S + rows`` rows of every head; gradients stay exact."""
+    seq, chunks = 16, 4
+    fetches = _exact_with_view_fetches(monkeypatch, batch, seq, chunks, kept=2)  # every chunk's rows fetched
     rows = seq // chunks
     chunk_rows = [nbytes for ref, nbytes in fetches if ref.shape == (batch, HEADS, rows, HEAD_DIM)]
     assert chunk_rows == [batch * HEADS * rows * HEAD_DIM * 8] * chunks
@@ -388,16 +395,6 @@ def test_each_kept_chunk_fetches_its_attention_output_rows_once(monkeypatch, bat
     attention backward, and as the rows ``(s, h * D)`` of each sequence its o-projection saved. Both come from one
     fetch (the chunk's rows held on the device while its graph runs), not one more synchronous fetch per sequence."""
     seq, chunks = 16, 4
-    params = _params()
-    split = ToySplit(params, torch.linspace(0.5, 1.5, seq, dtype=torch.float64))
-    x = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
-    upstream = torch.randn(batch, seq, HIDDEN, dtype=torch.float64)
-    want_y, want_grads = _run(lambda t: _reference(split, t), x, params, upstream)
-    fetches = _view_fetches(monkeypatch)
-    fn, _ = _memo(split, 0, chunks, chunks)  # layer 0: on the host, every chunk's finish graph kept in forward
-    got_y, got_grads = _run(fn, x, params, upstream)
-    torch.testing.assert_close(got_y, want_y, rtol=1e-12, atol=1e-12)
-    for got, want in zip(got_grads, want_grads):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    fetches = _exact_with_view_fetches(monkeypatch, batch, seq, chunks, kept=chunks)  # finish graphs kept
     first_rows = Counter(ref.offset // (HEADS * HEAD_DIM) % seq for ref, _ in fetches)
     assert first_rows == {start: 1 for start, _ in chunk_bounds(seq, chunks)}

@@ -171,16 +171,21 @@ def test_a_storage_read_in_views_comes_one_view_at_a_time_and_not_with_the_prefe
     stash.release()
 
 
-def test_a_view_read_from_the_host_takes_its_own_bytes_only_one_copy_per_run():
-    """Views of a ``(B, S, h, D)`` attention output read from the host one at a time: each fetch copies the view's
-    own bytes, one copy per run of consecutive ones (a chunk's rows: one per sequence), never the span between
-    its first and last byte, and rebuilds it with its values (copies carried out late under the deferred engine)."""
+def _counting_stash() -> tuple[LayerStash, list[int]]:
+    """A swapped CPU stash under this run's copy engine, and the bytes of each host-to-device copy it makes."""
     device = torch.device("cpu")
     engine = copy_engine(device)
     copies = []
     to_device = engine.to_device
     engine.to_device = lambda dst, src, after=None: copies.append(dst.nbytes) or to_device(dst, src, after)
-    stash = LayerStash(1, True, engine, HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine))
+    return LayerStash(1, True, engine, HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine)), copies
+
+
+def test_a_view_read_from_the_host_takes_its_own_bytes_only_one_copy_per_run():
+    """Views of a ``(B, S, h, D)`` attention output read from the host one at a time: each fetch copies the view's
+    own bytes, one copy per run of consecutive ones (a chunk's rows: one per sequence), never the span between
+    its first and last byte, and rebuilds it with its values (copies carried out late under the deferred engine)."""
+    stash, copies = _counting_stash()
     out = torch.randn(2, 12, 4, 8, dtype=torch.float64).transpose(1, 2)  # (B, h, S, D) view of (B, S, h, D)
     stash.add(torch.randn(2, 12, 16, dtype=torch.float64))  # the layer input, first: fetched with the buffers
     stash.add(out, read_in_views=True)
@@ -203,12 +208,7 @@ def test_a_held_view_serves_the_views_inside_one_of_its_runs_until_dropped():
     sequence's rows of the chunk, as the o-projection saves them) without a copy; a view across two runs, or any
     view once the rows are dropped, is fetched. Values stay exact (copies carried out late under the deferred
     engine)."""
-    device = torch.device("cpu")
-    engine = copy_engine(device)
-    copies = []
-    to_device = engine.to_device
-    engine.to_device = lambda dst, src, after=None: copies.append(dst.nbytes) or to_device(dst, src, after)
-    stash = LayerStash(1, True, engine, HostPool(device, copies=engine), DeviceSlots("prefetch", device, engine))
+    stash, copies = _counting_stash()
     stash.add(torch.randn(2, 12, 16, dtype=torch.float64))
     out = torch.randn(2, 12, 4, 8, dtype=torch.float64).transpose(1, 2)  # (B, h, S, D) view of (B, S, h, D)
     stash.add(out, read_in_views=True)
