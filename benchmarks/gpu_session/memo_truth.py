@@ -359,22 +359,9 @@ def measure_workspace(seq_len: int, heads: int, kv_heads: int, head_dim: int, de
     result["core_backend"] = backend_for(q, traits)
     out, stats = attention_forward(q, k, v, traits)
     grad_out = torch.randn(1, seq_len, heads, head_dim, dtype=dtype, device=device, generator=gen).transpose(1, 2)
-    sync(device)
-    release(device)
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    dq, dk, dv, _ = attention_backward(grad_out, q, k, v, out, stats, traits)
-    sync(device)
-    seconds = time.perf_counter() - start
-    outputs = sum(t.numel() * t.element_size() for t in (dq, dk, dv))
-    core: dict[str, Any] = {"seconds": round(seconds, 4), "outputs_bytes": outputs, "allocated_before": before}
-    if device.type == "cuda":
-        core["peak_allocated"] = torch.cuda.max_memory_allocated(device)
-        core["workspace"] = core["peak_allocated"] - before - outputs
-    else:
-        core["peak_allocated"] = core["workspace"] = None
+    core, (dq, dk, dv, _) = _backward_workspace(
+        device, attention_backward, (grad_out, q, k, v, out, stats, traits), lambda grads: grads[:3]
+    )
     result["core"] = core
     del dq, dk, dv, out, stats, grad_out
     release(device)
@@ -385,20 +372,7 @@ def measure_workspace(seq_len: int, heads: int, kv_heads: int, head_dim: int, de
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION if device.type == "cuda" else SDPBackend.MATH):
             out = scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         grad = torch.randn(1, seq_len, heads, head_dim, dtype=dtype, device=device, generator=gen).transpose(1, 2)
-        sync(device)
-        release(device)
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        out.backward(grad)
-        sync(device)
-        outputs = sum(t.grad.numel() * t.grad.element_size() for t in (qs, ks, vs))
-        sdpa = {"outputs_bytes": outputs, "allocated_before": before}
-        if device.type == "cuda":
-            sdpa["peak_allocated"] = torch.cuda.max_memory_allocated(device)
-            sdpa["workspace"] = sdpa["peak_allocated"] - before - outputs
-        else:
-            sdpa["peak_allocated"] = sdpa["workspace"] = None
+        sdpa, _ = _backward_workspace(device, out.backward, (grad,), lambda _, ts=(qs, ks, vs): [t.grad for t in ts])
         del out, grad, qs, ks, vs
     except Exception as error:  # noqa: BLE001 -- a refused backend is a result
         sdpa = {"error": f"{type(error).__name__}: {error}"[:500]}
@@ -406,6 +380,29 @@ def measure_workspace(seq_len: int, heads: int, kv_heads: int, head_dim: int, de
     del q, k, v
     release(device)
     return result
+
+
+def _backward_workspace(device: torch.device, backward, args: tuple, gradients) -> tuple[dict[str, Any], Any]:
+    """Run ``backward(*args)`` from a clean peak and measure its workspace: the peak allocated above what was allocated
+    before, less the bytes of ``gradients(returned)`` (the outputs it must keep). ``None`` where the device has no
+    counters (CPU dry run). Returns the record and what ``backward`` returned."""
+    sync(device)
+    release(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    returned = backward(*args)
+    sync(device)
+    seconds = time.perf_counter() - start
+    outputs = sum(t.numel() * t.element_size() for t in gradients(returned))
+    record: dict[str, Any] = {"seconds": round(seconds, 4), "outputs_bytes": outputs, "allocated_before": before}
+    if device.type == "cuda":
+        record["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        record["workspace"] = record["peak_allocated"] - before - outputs
+    else:
+        record["peak_allocated"] = record["workspace"] = None
+    return record, returned
 
 
 def ratio(measured: int | None, predicted: int | None) -> float | None:
