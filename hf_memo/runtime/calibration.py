@@ -122,7 +122,7 @@ def layer_bytes_per_token(split: LayerSplit, x: torch.Tensor, rows: int = 256) -
     stat_size = 8 if q.dtype == torch.float64 else 4
     heads, head_dim = q.shape[1], q.shape[-1]
     kept = LayerBytes(x.shape[-1] * x.element_size(), heads * head_dim * q.element_size() + heads * stat_size, 0.0)
-    sums = k.shape[1] * (k.shape[-1] + v.shape[-1]) * torch.empty((), dtype=summing_dtype(k.dtype)).element_size()
+    sums = k.shape[1] * (k.shape[-1] + v.shape[-1]) * summing_dtype(k.dtype).itemsize
     output = heads * v.shape[-1] * q.element_size()
     return LayerBytes(kept.input, kept.attention, max(per_token - kept.fixed, 0.0), sums, output)
 
