@@ -8,11 +8,23 @@ is profiled on fake tensors, so what is measured is the code's own allocations, 
 Within a block every layer does the same, so the bytes alive at any moment of a layer's forward or backward grow
 linearly with the layers of each block before and after it. A block's end layers differ from its middle ones (the
 layer below the first is of another kind or none: the bottom host layer fetches nothing below it), and the middle
-layers' peaks move linearly from the second's to the last but one's. With one slot per block end, second and last
-but one layer and direction, each
-moment's bytes are a line in ``(1, T, c_1, c_1 T, ..., c_k, c_k T, L_mlp, L_head)`` for block counts ``c_i``,
-tokens ``T`` and the largest chunks' rows (see :mod:`hf_memo.profiler.closed_form`). ``2k + 4`` profiles fix it:
-every block at 2 layers and each block in turn at 3, at two lengths, plus two with one more MLP or LM-head chunk.
+layers' peaks move linearly from the second's to the last but one's. A layer's forward also depends on the two
+layers below it: the one below's swapped stash is still being copied out (its device tensors are held until the
+next seal), and in the bottom block that costs nothing while the second layer runs, the bottom layer's input being
+the embeddings' output, which the step holds anyway. So the bottom block is profiled from four layers (its last but
+one is then in the steady state), the others from three, and a forward is read off the line of the slot that shares
+its layers below: a block's second layer's forward off the "second" line even when it is the block's last, a
+block's single layer's off the "first" line. With one slot per block end, second and last but one layer and
+direction, each moment's bytes are a line in ``(1, T, c_1, c_1 T, ..., c_k, c_k T, L_mlp, L_head)`` for block
+counts ``c_i``, tokens ``T`` and the largest chunks' rows (see :mod:`hf_memo.profiler.closed_form`). ``2k + 4``
+profiles fix it: every block at its base count and each block in turn at one more, at two lengths, plus two with
+one more MLP or LM-head chunk.
+
+Two cases are off the profile. The first layer of the second block when the bottom block is a single layer is above
+it, by at most the bottom layer's stash (the layer below then swaps its stash for free, which no fitted profile
+shows). And where a CUDA target's flash forward splits the keys (few heads per rank, short chunks), its split-key
+buffers change in steps with the length, not on a line: a forward moment holding them is off by up to one call's
+buffers (a few MiB at Llama-3-8B's shapes, under SP 8).
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 FIT_COUNT = 3  # layers per block in the base profiles (the copy buffers are all in use from the third)
+BOTTOM_FIT_COUNT = 4  # the bottom block's: its third layer's forward is the first in the steady state
 ALPHA_DENOMINATOR = 64  # alphas are fractions j / d with d at most this (the solvers' grids: 1/16 at the finest)
 
 
@@ -128,13 +141,18 @@ class PolicySize:
         )
 
     def phase(self, slot: str) -> str | None:
-        """The phase of ``slot`` at this size (``None``: a middle slot of a block of fewer than three layers)."""
+        """The phase of ``slot`` at this size; ``None`` where the slot's line does not describe that layer: a middle
+        slot of a block of fewer than three layers, and in the forward, which depends on the layers below, an end
+        slot whose layer has fewer than two layers below it in the block (read off the "first" or "second" line)."""
         if not slot.startswith("block "):
             return slot
         _, block, end, direction = slot.split()
         count = self.shape.counts[int(block)]
         position = {"first": 0, "second": 1, "penultimate": count - 2, "last": count - 1}[end]
-        if end in ("second", "penultimate") and count < 3:
+        if direction == "forward":
+            if end in ("penultimate", "last") and position < 2 or end == "second" and count < 2:
+                return None
+        elif end in ("second", "penultimate") and count < 3:
             return None
         return f"layer {sum(self.shape.counts[: int(block)]) + position} {direction}"
 
@@ -147,8 +165,8 @@ def fit_points(kinds: Sequence[LayerPolicy], max_seq_len: int = 1 << 24) -> list
     """The profiles a shape's closed form is fitted to (see the module docstring)."""
     longer = min(PROFILE_SEQ_LEN, max_seq_len - max_seq_len % 2)
     mlp = alpha_chunks(kinds)
-    base = (FIT_COUNT,) * len(kinds)
-    configs = [base] + [base[:i] + (FIT_COUNT + 1,) + base[i + 1 :] for i in range(len(kinds))]
+    base = (BOTTOM_FIT_COUNT,) + (FIT_COUNT,) * (len(kinds) - 1)
+    configs = [base] + [base[:i] + (base[i] + 1,) + base[i + 1 :] for i in range(len(kinds))]
     points: list[PolicyPoint] = [(c, s, (mlp, 2)) for c in configs for s in (longer // 2, longer)]
     more = 3 if mlp == 2 and all(kind.alpha in (0.0, 1.0) for kind in kinds) else 2 * mlp  # alphas stay whole
     return points + [(base, longer, (more, 2)), (base, longer, (mlp, 3))]
@@ -208,7 +226,15 @@ class PolicyFootprint:
         """``(device, host)`` peaks of a step of ``(batch_size, seq_len)`` under ``shape``'s policy, chunked by
         ``chunks`` (default: the runtime's rule); the device's moments ``restate``d before the highest is chosen
         (see :meth:`ClosedForm.peak`)."""
+        size = self._size_of(shape, seq_len, chunks)
+        return self._device.peak(size, restate), self._host.peak(size)
+
+    def device_phase_peaks(self, shape: PolicyShape, seq_len: int, chunks: Chunks = AUTO_CHUNKS) -> dict[str, int]:
+        """Each phase's highest device bytes in a step of ``(batch_size, seq_len)`` under ``shape``'s policy (the
+        phases whose slots the shape has: end layers, second and last but one layers, embedding, head)."""
+        return self._device.phase_peaks(self._size_of(shape, seq_len, chunks))
+
+    def _size_of(self, shape: PolicyShape, seq_len: int, chunks: Chunks) -> PolicySize:
         if shape.kinds != self.kinds:
             raise ValueError(f"this footprint is of policies made of {self.kinds}, got {shape.kinds}")
-        size = self.size(shape, seq_len, chunks)
-        return self._device.peak(size, restate), self._host.peak(size)
+        return self.size(shape, seq_len, chunks)

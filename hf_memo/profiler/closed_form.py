@@ -153,11 +153,8 @@ class ClosedForm:
         self._coefficients = np.linalg.lstsq(features, unsized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
         self._sized = np.linalg.lstsq(features, sized.reshape(len(samples), -1), rcond=None)[0].reshape(shape)
 
-    def peak(self, size: StepSize, restate: Restate | None = None) -> Peak:
-        """The peak at ``location`` of the step of ``size``: the highest slot's value, by category. ``restate`` maps
-        every moment's bytes by category (``(moments, len(CATEGORIES))``) to those that count before the highest is
-        chosen: e.g. the model states as a DeepSpeed rank holds them, which differ between forward and backward, in
-        place of the profile's."""
+    def _moments(self, size: StepSize, restate: Restate | None) -> tuple[np.ndarray, list[str | None]]:
+        """Every moment's bytes by category at ``size`` (restated), and each slot's phase at that size."""
         x = size.features()
         if x.shape[0] != self.width:
             raise ValueError(f"this closed form takes sizes with {self.width} features, got {size}")
@@ -165,7 +162,14 @@ class ClosedForm:
         values = np.rint(np.einsum("f,fkc->kc", x, coefficients)).astype(np.int64)
         if restate is not None:
             values = restate(values)
-        phases = [size.phase(slot) for slot in self._slots]
+        return values, [size.phase(slot) for slot in self._slots]
+
+    def peak(self, size: StepSize, restate: Restate | None = None) -> Peak:
+        """The peak at ``location`` of the step of ``size``: the highest slot's value, by category. ``restate`` maps
+        every moment's bytes by category (``(moments, len(CATEGORIES))``) to those that count before the highest is
+        chosen: e.g. the model states as a DeepSpeed rank holds them, which differ between forward and backward, in
+        place of the profile's."""
+        values, phases = self._moments(size, restate)
         has = np.array([phase is not None for phase in phases])[self._slot_of_key]  # the slots this size has
         totals = np.where(has, values.sum(axis=1), 0)
         best = int(np.argmax(totals))
@@ -173,3 +177,14 @@ class ClosedForm:
             return Peak(0)
         by_category = {c: int(v) for c, v in zip(CATEGORIES, values[best])}
         return Peak(int(totals[best]), by_category, -1, phases[self._slot_of_key[best]])
+
+    def phase_peaks(self, size: StepSize) -> dict[str, int]:
+        """Each phase's highest moment at ``size`` (bytes), for the phases whose slots this size has: what a profile
+        of that size holds at its highest in each phase (:func:`~hf_memo.profiler.analysis.phase_peaks`)."""
+        values, phases = self._moments(size, None)
+        highest: dict[str, int] = {}
+        for total, slot in zip(values.sum(axis=1).tolist(), self._slot_of_key.tolist()):
+            phase = phases[slot]
+            if phase is not None:
+                highest[phase] = max(highest.get(phase, 0), total)
+        return highest
