@@ -23,7 +23,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from hf_memo.estimator.fitted import BASE_CHUNKS, ConfigFacts, ProfilePlan, chunk_rows, trace_at
-from hf_memo.estimator.policy_footprint import PolicyFootprint, PolicyShape, fit_jobs, fit_points
+from hf_memo.estimator.policy_footprint import (
+    BOTTOM_FIT_COUNT,
+    FIT_COUNT,
+    PolicyFootprint,
+    PolicyShape,
+    fit_jobs,
+    fit_points,
+)
 from hf_memo.estimator.question import Budget
 from hf_memo.estimator.setups import Chunks
 from hf_memo.estimator.time_model import Gpu, ModelFacts, attention_imbalance
@@ -174,7 +181,8 @@ class MemoModel:
             SMALLEST_KINDS: PolicyFootprint(SMALLEST_KINDS, self.config, batch_size, smallest_traces, max_seq_len)
         }
         self.method = (
-            f"every policy from fresh fake-tensor profiles of that policy (blocks of 3 and 4 layers, "
+            f"every policy from fresh fake-tensor profiles of that policy (blocks of {FIT_COUNT} and {FIT_COUNT + 1} "
+            f"layers, the bottom one {BOTTOM_FIT_COUNT} and {BOTTOM_FIT_COUNT + 1}, "
             f"{plan.seq_lens[0]:,} and {plan.seq_lens[1]:,} tokens, closed form in the block sizes, "
             "tokens and chunk rows)"
         )

@@ -2,9 +2,9 @@
 
 The runtime decides a step shape's policy with the solver; this sizes the answer as the estimator does
 (:mod:`~hf_memo.estimator.policy_footprint`): a few profiles of short steps of copies of the model (same config,
-dtype, PEFT adapters and hf_memo config, blocks of 3 and 4 layers) running policies of the same block structure,
-with the workspace the attention kernels of the model's device allocate. Each block structure is profiled once per
-model and batch size; every length and layer count is then read off its closed form.
+dtype, PEFT adapters and hf_memo config, blocks of 3 and 4 layers, the bottom one 4 and 5) running policies of the
+same block structure, with the workspace the attention kernels of the model's device allocate. Each block structure
+is profiled once per model and batch size; every length and layer count is then read off its closed form.
 """
 
 from __future__ import annotations
