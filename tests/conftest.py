@@ -189,7 +189,8 @@ def fake_world():
 
 
 # The longest modules first (seconds on 2 cores, most first): with ``--dist loadscope`` each module goes whole to the
-# next free worker, so the run ends on short modules instead of one worker waiting for the other's long one.
+# next free worker, so the run ends on short modules instead of one worker waiting for the other's long one
+# (``--no-loadscope-reorder`` keeps this order; xdist would otherwise order modules by their number of tests).
 LONGEST_FIRST = (  # measured 2026-11-29: every module whose tests took 35 s or more in all
     "test_estimator_policy_footprint.py",
     "test_estimator_fitted.py",
