@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from hf_memo.estimator import fit_cache as fits
@@ -43,15 +41,16 @@ from hf_memo.estimator.setups import (
     AUTO_CHUNKS,
     CURRENT_MODES,
     DEFAULT_MODES,
-    DTYPES,
     MODES,
     TRAINABLE,
     Chunks,
     Lora,
     choice,
+    dtype_name,
     memo_with_offload,
     memo_with_policy,
     resolve_modes,
+    torch_dtype,
     with_lora,
 )
 from hf_memo.estimator.time_model import (
@@ -73,7 +72,9 @@ from hf_memo.profiler.trace import AllocationTrace
 from hf_memo.profiler.workers import run_side_by_side, usable_cpus
 from hf_memo.units import parse_bytes, parse_tokens
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # PyTorch loads with the first profile: an answer read off cached closed forms needs it not
+    import torch
+    from torch import nn
     from transformers import PretrainedConfig
 
     from hf_memo.profiler.fake_model import FakeSession
@@ -100,7 +101,7 @@ class _Job:
     def __init__(
         self,
         model: ResolvedModel,
-        dtype: torch.dtype,
+        dtype: str | torch.dtype,
         batch_size: int,
         optimizer: str,
         trainable: str,
@@ -118,7 +119,7 @@ class _Job:
         self.optimizer, self.trainable, self.cluster, self.gpu = optimizer, trainable, cluster, gpu
         self.budget, self.search_limit, self.bar = budget, search_limit, bar
         self.workers: int | None = None  # processes profiles run in (closed_forms sets it)
-        self.dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+        self.dtype_name = dtype_name(dtype)
         self._states: ModelStates | None = None
 
     def key(self, mode: str) -> tuple:
@@ -158,7 +159,7 @@ class _Job:
         return StepProfiler(
             self.config,
             prepare,
-            self.dtype,
+            torch_dtype(self.dtype),
             self.batch_size,
             self.optimizer,
             meta=meta,
@@ -410,7 +411,7 @@ def estimate(
     trainable: str = "full",
     optimizer: str = "adamw",
     modes: Sequence[str] = DEFAULT_MODES,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: str | torch.dtype = "bf16",
     search: bool = True,
     keep_traces: bool = False,
     progress: bool = True,
@@ -439,7 +440,7 @@ def estimate(
             ``trainable_modules`` say).
         optimizer: ``"adamw"`` (fused AdamW, states in the parameter dtype) or ``"none"``.
         modes: names from :data:`MODES`.
-        dtype: parameter dtype.
+        dtype: parameter dtype, a name of :data:`~hf_memo.estimator.setups.DTYPES` (``"bf16"``) or a PyTorch dtype.
         search: also find the longest ``S`` (a multiple of 256) that fits ``gpu_memory`` (and the host and pinned
             memory); for memo, the longest for which some memory policy fits.
         keep_traces: keep each mode's full-depth allocation trace at ``seq_len`` (one rank's tokens) in

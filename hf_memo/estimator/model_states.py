@@ -32,21 +32,22 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from hf_memo.estimator import fit_cache as fits
 from hf_memo.estimator.cluster import FP32, Cluster, DeepSpeedConfig
 from hf_memo.estimator.fit_cache import FitCache
 from hf_memo.estimator.fitted import ConfigFacts
 from hf_memo.estimator.question import SEARCH_LIMIT, Budget, ResolvedModel
-from hf_memo.estimator.setups import Lora, with_lora
+from hf_memo.estimator.setups import Lora, dtype_name, torch_dtype, with_lora
 from hf_memo.profiler.analysis import Peak
 from hf_memo.profiler.footprint import PROFILE_LAYERS, StepProfiler
 from hf_memo.profiler.trace import CATEGORIES
 from hf_memo.units import format_bytes
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # PyTorch loads when the counts are profiled: cached ones need it not
+    import torch
+    from torch import nn
+
     from hf_memo.profiler.fake_model import FakeSession
 
 
@@ -234,7 +235,7 @@ def rank_peak(
 
 def model_states(
     config: Any,
-    dtype: torch.dtype,
+    dtype: str | torch.dtype,
     trainable: str,
     optimizer: str,
     cluster: Cluster,
@@ -251,7 +252,7 @@ def model_states(
 
 def _model_states(
     model: ResolvedModel,
-    dtype: torch.dtype,
+    dtype: str | torch.dtype,
     trainable: str,
     optimizer: str,
     cluster: Cluster,
@@ -260,7 +261,7 @@ def _model_states(
 ) -> ModelStates:
     """:func:`model_states` of a resolved model."""
     threshold = cluster.deepspeed.param_persistence_threshold
-    key = ("states", model.digest, str(dtype), trainable, optimizer, lora, threshold)
+    key = ("states", model.digest, dtype_name(dtype), trainable, optimizer, lora, threshold)
     cache = cache or FitCache(enabled=False)
     if key not in fits.PROCESS_FITS:
         states = cache.load(cache.key(key))
@@ -270,7 +271,7 @@ def _model_states(
                 return with_lora(fake, session, lora) if trainable == "lora" else fake
 
             config = model.config()
-            fake = StepProfiler(config, prepare, dtype, 1, optimizer).model(PROFILE_LAYERS[0])
+            fake = StepProfiler(config, prepare, torch_dtype(dtype), 1, optimizer).model(PROFILE_LAYERS[0])
             states = ModelStates.of(fake, model.facts.num_hidden_layers, optimizer == "adamw", threshold)
             cache.store(cache.key(key), states)
         fits.PROCESS_FITS[key] = states

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
 from hf_memo.estimator.fit_cache import FitCache
 from hf_memo.estimator.fitted import ConfigFacts
 from hf_memo.estimator.setups import LORA_RANK, POSITION_LIMITS, Lora, config_of
 from hf_memo.profiler.shapes import SHAPE_NAMES
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PretrainedConfig
 
 

@@ -11,14 +11,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from hf_memo.planner.policy import MemoryPolicy
 from hf_memo.profiler.footprint import PROFILE_LAYERS
 from hf_memo.profiler.shapes import SHAPE_NAMES, check_decoder_lm, load_config
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # PyTorch loads when a mode configures its first model: a cached answer needs it not
+    import torch
+    from torch import nn
     from transformers import PretrainedConfig
 
     from hf_memo.profiler.fake_model import FakeSession
@@ -219,7 +218,25 @@ def resolve_modes(names: Sequence[str], what: str = "mode") -> tuple[list[str], 
 
 
 TRAINABLE = ("full", "lora")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype's names -> PyTorch's
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The PyTorch dtype of a name of :data:`DTYPES` (a PyTorch dtype is returned as it is)."""
+    if not isinstance(dtype, str):
+        return dtype
+    import torch
+
+    return getattr(torch, DTYPES[choice("dtype", dtype, list(DTYPES))])
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The name in :data:`DTYPES` of ``dtype`` (a name, checked, or a PyTorch dtype; ``str(dtype)`` for another)."""
+    if isinstance(dtype, str):
+        return choice("dtype", dtype, list(DTYPES))
+    return next((name for name, attr in DTYPES.items() if str(dtype) == f"torch.{attr}"), str(dtype))
+
+
 LORA_RANK = 8
 # Families whose learned position table caps the sequence length: model_type -> config field.
 POSITION_LIMITS = {"gpt2": "n_positions"}
@@ -228,6 +245,7 @@ POSITION_LIMITS = {"gpt2": "n_positions"}
 def config_of(model_or_config: str | PretrainedConfig | nn.Module) -> tuple[str, PretrainedConfig]:
     """``(name, config)`` of a built-in name, a ``config.json`` path, a Hub id, a config or a model (its causal LM's
     config); ``ValueError`` unless it is a decoder-only causal LM."""
+    from torch import nn
     from transformers import PretrainedConfig
 
     if isinstance(model_or_config, str):

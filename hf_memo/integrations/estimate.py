@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             **lora_flags(args),
             optimizer=choice("--optimizer", args.optimizer, OPTIMIZERS),
             modes=modes,
-            dtype=DTYPES[choice("--dtype", args.dtype, list(DTYPES))],
+            dtype=choice("--dtype", args.dtype, list(DTYPES)),
             search=not args.no_search,
             keep_traces=bool(args.plot or args.trace_dir),
             gpu=choice("--gpu", args.gpu.lower(), list(GPUS)),

@@ -30,9 +30,11 @@ from hf_memo.estimator.setups import (
     TRAINABLE,
     choice,
     config_of,
+    dtype_name,
     parse,
     positive_int,
     resolve_modes,
+    torch_dtype,
     with_lora,
 )
 from hf_memo.planner.bilevel import plan_memory
@@ -90,8 +92,7 @@ def profile_step(
         MODES[mode].configure(model, None)
         return model
 
-    dtype_name = {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
-    meta = {"model": name, "mode": mode, "dtype": dtype_name, "trainable": trainable}
+    meta = {"model": name, "mode": mode, "dtype": dtype_name(dtype), "trainable": trainable}
     profiler = StepProfiler(config, prepare, dtype, batch_size, optimizer, meta=meta)
     with tqdm(total=1, desc="profiling", unit="step", leave=False, disable=not progress) as bar:
         bar.set_postfix_str(f"{name}, {mode}, all {profiler.layers} layers, S={seq_len:,}")
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hf-memo plan: warning: {note}", file=sys.stderr)
         trainable = choice("--trainable", args.trainable, TRAINABLE)
         optimizer = choice("--optimizer", args.optimizer, OPTIMIZERS)
-        dtype = DTYPES[choice("--dtype", args.dtype, list(DTYPES))]
+        dtype = torch_dtype(choice("--dtype", args.dtype, list(DTYPES)))
         trace = profile_step(args.model, seq_len, batch_size, mode, trainable, optimizer, dtype, progress=True)
         profile_seconds = time.perf_counter() - began
     plan = plan_memory(trace, solver=solver, time_limit=time_limit, alignment=alignment)

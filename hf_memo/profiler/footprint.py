@@ -14,13 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hf_memo.profiler.analysis import Peak, peak
 from hf_memo.profiler.extrapolate import extrapolated_peak
 from hf_memo.profiler.trace import AllocationTrace
 
-if TYPE_CHECKING:  # the fake-tensor machinery and the model code load when a profiler builds its first model
+if TYPE_CHECKING:  # PyTorch, the fake-tensor machinery and the model code load when a profiler builds its first model
+    import torch
     from torch import nn
     from transformers import PretrainedConfig
 
@@ -55,7 +54,7 @@ class StepProfiler:
         config: the full model's config.
         prepare: ``prepare(model, session) -> model``, run inside the fake session right after the
             bare ``*ForCausalLM`` is built: wraps (PEFT) or patches (checkpointing, hf_memo) it.
-        dtype: parameter dtype.
+        dtype: parameter dtype (default bfloat16).
         batch_size: sequences per step.
         optimizer: ``"adamw"`` or ``"none"`` (see :func:`trace_training_step`).
         on_profile: called as ``on_profile(layers, seq_len)`` after each profiled step (progress).
@@ -77,7 +76,7 @@ class StepProfiler:
         self,
         config: PretrainedConfig,
         prepare: Callable[[nn.Module, FakeSession], nn.Module],
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         batch_size: int = 1,
         optimizer: str = "adamw",
         on_profile: Callable[[int, int], None] | None = None,
@@ -91,6 +90,10 @@ class StepProfiler:
         self.profile_layers = profile_layers
         self.layers = config.get_text_config().num_hidden_layers
         self._prepare = prepare
+        if dtype is None:
+            import torch
+
+            dtype = torch.bfloat16
         self._dtype = dtype
         self.batch_size = self._batch_size = batch_size
         self._optimizer = optimizer

@@ -14,11 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from hf_memo.profiler.trace import AllocationTrace
 
-if TYPE_CHECKING:  # the recorder (fake tensors' dispatch) loads with the first step recorded, not with OPTIMIZERS
+if TYPE_CHECKING:  # PyTorch and the recorder (fake tensors' dispatch) load with the first step, not with OPTIMIZERS
+    import torch
     from torch import nn
 
     from hf_memo.profiler.allocations import AllocationRecorder
@@ -29,6 +28,8 @@ OPTIMIZERS = ("adamw", "none")
 
 def steady_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer | None:
     """The optimizer of the step over ``model``'s trainable parameters, its state already created (or ``None``)."""
+    import torch
+
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -44,6 +45,8 @@ def steady_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer | Non
 
 def token_batch(model: nn.Module, batch_size: int, seq_len: int) -> torch.Tensor:
     """Random ``(batch_size, seq_len)`` token ids for ``model``, on its device."""
+    import torch
+
     config = model.config if hasattr(model, "config") else model.get_base_model().config
     device = next(model.parameters()).device
     return torch.randint(0, config.get_text_config().vocab_size, (batch_size, seq_len), device=device)
