@@ -189,6 +189,7 @@ class MemoModel:
         self.facts = ModelFacts.of(profiler_for(1.0, BASE_CHUNKS).model(depth))
         self.flops = self.facts.flops
         self._profiles: dict[int, MemoProfile] = {}
+        self._memories: dict[tuple[PolicyShape, int], tuple[Peak, Peak]] = {}  # memory() of this question
 
     def __getstate__(self) -> dict[str, Any]:
         """What is fitted (the closed forms of every block structure profiled, the solver's per-token bytes, the
@@ -197,7 +198,7 @@ class MemoModel:
         state = dict(self.__dict__)
         for name in ("_policy_profiler_for", "run_jobs", "_adjust", "_restate", "gpu"):
             state[name] = None
-        state["_profiles"] = {}
+        state["_profiles"], state["_memories"] = {}, {}
         return state
 
     def rebind(
@@ -213,7 +214,7 @@ class MemoModel:
         further block structures. The solver's views of lengths asked before are dropped (they depend on these)."""
         self.gpu, self._adjust, self._restate = gpu, adjust, restate
         self._policy_profiler_for, self.run_jobs = policy_profiler_for, run_jobs
-        self._profiles = {}
+        self._profiles, self._memories = {}, {}
         return self
 
     @property
@@ -251,13 +252,16 @@ class MemoModel:
         ``"optimizer"``)."""
         shape = policy if isinstance(policy, PolicyShape) else PolicyShape.of(policy)
         seq_len = bucket_length(seq_len)
-        device, host = self.footprint_of(shape).peaks(shape, seq_len, restate=self._restate)
-        state_host = 0
-        if self._adjust is not None:
-            device, state_host = self._adjust(device, seq_len)
-        by_category = dict(host.by_category)
-        by_category["optimizer"] += state_host
-        return device, Peak(host.total + state_host, by_category, host.index, host.phase)
+        if (shape, seq_len) not in self._memories:  # every length of a bucket, and the searches ask many, is its one
+            device, host = self.footprint_of(shape).peaks(shape, seq_len, restate=self._restate)
+            state_host = 0
+            if self._adjust is not None:
+                device, state_host = self._adjust(device, seq_len)
+            by_category = dict(host.by_category)
+            by_category["optimizer"] += state_host
+            host = Peak(host.total + state_host, by_category, host.index, host.phase)
+            self._memories[shape, seq_len] = device, host
+        return self._memories[shape, seq_len]
 
     def profile(self, seq_len: int) -> MemoProfile:
         """The solver's view of the memo mode for steps of ``seq_len`` positions (one rank's): that of the longest
