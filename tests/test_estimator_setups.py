@@ -1,11 +1,11 @@
-"""The training setups' shared parts: what ``trainable="lora"`` trains."""
+"""The training setups' shared parts: what ``trainable="lora"`` trains, and the dtypes by name."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hf_memo.estimator.setups import Lora, with_lora
+from hf_memo.estimator.setups import Lora, dtype_name, torch_dtype, with_lora
 from hf_memo.profiler.fake_model import fake_causal_lm
 from tests.test_profiler_step import CONFIGS
 
@@ -70,3 +70,12 @@ def test_names_that_match_no_module_are_refused_not_ignored():
     fake, session = fake_causal_lm(CONFIGS["llama"](2), torch.bfloat16)
     with pytest.raises(ValueError, match="PEFT cannot add LoRA to LlamaForCausalLM: .*qproj"):
         with_lora(fake, session, Lora(targets=("qproj",)))
+
+
+def test_dtypes_are_named_and_pytorch_dtypes_are_taken_as_they_are():
+    """The estimator names dtypes (so that a cached answer needs no PyTorch) and converts a name only to profile."""
+    assert torch_dtype("bf16") is torch.bfloat16 and torch_dtype(torch.float64) is torch.float64
+    assert dtype_name(torch.float16) == "fp16" and dtype_name("fp32") == "fp32"
+    assert dtype_name(torch.float64) == "torch.float64"  # no name: told as PyTorch tells it
+    with pytest.raises(ValueError, match="dtype must be one of bf16, fp16, fp32, got 'float32'"):
+        torch_dtype("float32")
