@@ -4,10 +4,12 @@ import pytest
 from transformers import LlamaConfig
 
 from hf_memo.estimator.fitted import chunk_rows
-from hf_memo.estimator.memo_policy import MAX_ALPHA_STEPS, alpha_steps
+from hf_memo.estimator.memo_policy import MAX_ALPHA_STEPS, alpha_steps, backward_in_blocks
 from hf_memo.estimator.time_model import Gpu, LayerFlops, attention_imbalance, step_seconds
 from hf_memo.profiler.shapes import builtin_config
 from hf_memo.runtime.alpha import quantise
+from hf_memo.runtime.attention_traits import AttentionTraits
+from hf_memo.runtime.blocked_attention import blockable
 
 
 @pytest.mark.parametrize("seq_len", [2048, 32768, 98304, 131072, 200704, 589824, 1 << 20])
@@ -38,3 +40,15 @@ def test_the_busiest_rank_of_an_uneven_head_split_bounds_attention_time():
     assert step_seconds("vanilla", flops, 2, 0.0, 1, 4096, gpu, 8 / 7) > step_seconds(
         "vanilla", flops, 2, 0.0, 1, 4096, gpu
     )
+
+
+@pytest.mark.parametrize("window", [None, 512, 4096])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("sequence_parallel", [1, 2])
+def test_the_cost_models_blocked_backward_is_the_runtimes_rule(window, dropout, sequence_parallel):
+    """The solver's time model fetches a layer ahead as the executor will: in blocks of queries exactly where the
+    runtime's :func:`blockable` says so (attention dropout or a window that hides keys: whole), on one rank."""
+    config = LlamaConfig(sliding_window=window, attention_dropout=dropout)
+    for seq_len in (1000, 4096, 9000):
+        runtime = sequence_parallel == 1 and blockable(seq_len, AttentionTraits(1.0, dropout, window))
+        assert backward_in_blocks(config, seq_len, sequence_parallel) == runtime

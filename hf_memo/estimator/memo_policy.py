@@ -68,6 +68,15 @@ def alpha_steps(config: PretrainedConfig, batch_size: int, seq_len: int) -> int:
     return max(d for d in range(1, MAX_ALPHA_STEPS + 1) if chunks % d == 0)
 
 
+def backward_in_blocks(text_config: Any, seq_len: int, sequence_parallel: int) -> bool:
+    """Whether memo's executor runs a layer's backward over ``seq_len`` positions in blocks of queries: the
+    runtime's rule (:func:`hf_memo.runtime.blocked_attention.blockable`: no attention dropout in training, no
+    sliding window that hides a key) read off the text config, on a sequence not split over ranks."""
+    window = getattr(text_config, "sliding_window", None)
+    dropout = getattr(text_config, "attention_dropout", 0.0) or 0.0
+    return sequence_parallel == 1 and dropout == 0 and not (window and window < seq_len)
+
+
 @dataclass(frozen=True)
 class MemoProfile:
     """What the solver needs of the memo mode at one length (one rank's).
@@ -283,11 +292,10 @@ class MemoModel:
             self._batch_size, seq_len * k, self.gpu.peak_flops, attention_imbalance(self.config, k)
         )
         forward, backward, attention = (t / k for t in whole)
-        # The profiles' executor runs a layer's backward in blocks of queries (memory unplanned) unless the sequence
-        # is split over ranks or a window hides keys: the layer below is then fetched ahead only as far as the keys'
-        # gradient sums (float32 for half inputs) give memory back, and a kept output is read chunk by chunk.
-        window = getattr(text, "sliding_window", None)
-        blocked = k == 1 and not (window and window < seq_len)
+        # Where the executor runs a layer's backward in blocks of queries (memory unplanned), the layer below is
+        # fetched ahead only as far as the keys' gradient sums (float32 for half inputs) give memory back, and a
+        # kept output is read chunk by chunk.
+        blocked = backward_in_blocks(text, seq_len, k)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         sums = tokens * kv_heads * 2 * head_dim * max(element, 4)
         costs = LayerCosts(
