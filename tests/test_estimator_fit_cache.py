@@ -123,14 +123,14 @@ def test_the_fingerprint_covers_hf_memos_sources(tmp_path, monkeypatch):
     package.mkdir()
     (package / "runtime.py").write_text("A = 1\n")
     monkeypatch.setattr(fit_cache, "_PACKAGE", package)
-    fit_cache.code_fingerprint.cache_clear()
+    fit_cache.fingerprint_parts.cache_clear()
     try:
         before = fit_cache.code_fingerprint()
         (package / "runtime.py").write_text("A = 2\n")
-        fit_cache.code_fingerprint.cache_clear()
+        fit_cache.fingerprint_parts.cache_clear()
         assert fit_cache.code_fingerprint() != before
     finally:
-        fit_cache.code_fingerprint.cache_clear()
+        fit_cache.fingerprint_parts.cache_clear()
 
 
 def test_an_unreadable_entry_is_a_miss_and_is_written_again(tmp_path):
@@ -189,3 +189,57 @@ def test_a_cached_answer_reads_neither_pytorch_nor_transformers_nor_the_model_co
     assert run.returncode == 0, run.stderr[-2000:]
     assert "HEAVY []" in run.stderr
     assert json.loads(run.stdout)["modes"] == answer.to_dict()["modes"]
+
+
+def test_shipped_fits_are_read_after_the_users_and_never_written(tmp_path, monkeypatch):
+    shipped, user = tmp_path / "shipped", tmp_path / "user"
+    monkeypatch.setattr(fit_cache, "SHIPPED", shipped)
+    maker = FitCache(shipped, read_shipped=False)
+    key, other = maker.key(("fit", "shipped")), maker.key(("fit", "stale"))
+    maker.store(key, "shipped fit")
+    maker.path(other).write_bytes(maker.path(key).read_bytes())  # an entry under another name: not a hit
+    cache = FitCache(user)
+    assert cache.load(key) == "shipped fit" and cache.load(other) is None
+    cache.store(key, "user's fit")  # a fit made here (memo's new block structures) goes to the user's folder
+    assert cache.load(key) == "user's fit" and FitCache(shipped).load(key) == "shipped fit"
+    assert sorted(path.name for path in shipped.iterdir()) == sorted([maker.path(key).name, maker.path(other).name])
+    assert FitCache(tmp_path / "empty", read_shipped=False).load(key) is None
+    assert FitCache(tmp_path / "empty", enabled=False).load(key) is None  # --no-cache reads no shipped fit either
+
+
+def test_the_shipped_fits_are_whole_entries_of_the_current_sources():
+    """The fits shipped for the documented questions were made by this code: an edit of hf_memo's sources without
+    making them again (``python benchmarks/ship_estimator_fits.py``) fails here, not silently in users' waits."""
+    manifest = fit_cache.shipped_manifest()
+    assert manifest is not None, "no shipped fits: run python benchmarks/ship_estimator_fits.py"
+    made, now = manifest["fingerprint"]["sources"], fit_cache.fingerprint_parts()["sources"]
+    assert made == now, "hf_memo's sources changed since its fits were made: run benchmarks/ship_estimator_fits.py"
+    entries = sorted(fit_cache.SHIPPED.glob("*.pkl"))
+    assert len(entries) == manifest["entries"] > 0
+    for entry in entries:
+        assert fit_cache._read(entry, entry.stem) is not None, entry.name
+
+
+def test_the_documented_questions_answer_from_the_shipped_fits_without_pytorch(tmp_path):
+    """Asked cold (an empty cache) where the libraries and Python are the shipped fits' own, each documented
+    question in every mode is answered from them: nothing profiled (PyTorch never imported), nothing written."""
+    manifest = fit_cache.shipped_manifest()
+    here = fit_cache.fingerprint_parts()
+    differ = {name: value for name, value in manifest["fingerprint"].items() if here[name] != value}
+    if differ:
+        pytest.skip(f"the shipped fits were made with {differ}, not this environment's versions")
+    heavy = ("torch", "transformers", "hf_memo.runtime.memo", "hf_memo.profiler.fake_model")
+    env = {**os.environ, "HF_MEMO_CACHE_DIR": str(tmp_path)}
+    for name, flags in manifest["questions"].items():
+        script = (
+            "import sys; from hf_memo.integrations import cli; "
+            f"code = cli.main(['estimate', *{flags.split()!r}, '--modes', {manifest['modes']!r}, '--json']); "
+            f"heavy = [m for m in {heavy!r} if m in sys.modules]; print('HEAVY', heavy, file=sys.stderr); "
+            "sys.exit(code)"
+        )
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, (name, run.stderr[-2000:])
+        assert "HEAVY []" in run.stderr, name
+        answer = json.loads(run.stdout)["modes"]
+        assert set(answer) == set(manifest["modes"].split(",")), name
+    assert not list(tmp_path.rglob("*.pkl"))

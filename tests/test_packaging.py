@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 import hf_memo
+from hf_memo.estimator import fit_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,8 +61,11 @@ def test_wheel_ships_the_sample_license_and_py_typed_and_runs_the_demo_in_a_fres
         "hf_memo/data/longalpaca/sample_tokenizer/tokenizer.json",
         "hf_memo/data/longalpaca/sample_tokenizer/tokenizer_config.json",
         f"hf_memo-{hf_memo.__version__}.dist-info/licenses/LICENSE",
+        "hf_memo/estimator/shipped_fits/manifest.json",
     }
     assert shipped <= names, shipped - names
+    fits = {f"hf_memo/estimator/shipped_fits/{path.name}" for path in fit_cache.SHIPPED.glob("*.pkl")}
+    assert fits and fits <= names, fits - names
     assert not [name for name in names if name.startswith(("examples/", "tests/", "benchmarks/"))]
 
     # torch and the rest come from this interpreter's site-packages; hf_memo must come from the wheel, not from the
@@ -91,6 +95,8 @@ def test_wheel_ships_the_sample_license_and_py_typed_and_runs_the_demo_in_a_fres
     assert where.returncode == 0, where.stderr[-3000:]
     module, sample = (Path(path).resolve() for path in where.stdout.split())
     assert module.is_relative_to(venv.resolve()) and sample.is_relative_to(venv.resolve()) and sample.is_file()
+    sources = run(str(python), "-c", "from hf_memo.estimator import fit_cache; print(fit_cache.fingerprint_parts())")
+    assert sources.stdout.strip() == str(fit_cache.fingerprint_parts())  # the shipped fits answer from the wheel too
     version = run(str(bin_dir / "hf-memo"), "--version")
     assert version.stdout.strip() == f"hf-memo {hf_memo.__version__}"
 

@@ -15,11 +15,17 @@ Entries are pickles in the user's cache directory (``$HF_MEMO_CACHE_DIR``, else 
 (``os.replace``, atomic on one file system), so two runs writing at once leave one whole entry, never a mix, and
 a reader sees an old whole entry or a new one. An entry that cannot be read (cut short, written by another
 Python) is a miss and is written again.
+
+Fits made for the documented questions ship with hf_memo (``shipped_fits/``, made by
+``benchmarks/ship_estimator_fits.py`` with the code of the release): they are read after the user's cache, never
+written, and are keyed like any entry, so they answer only where the code, the libraries and Python are the ones
+that made them (``manifest.json`` names them); anywhere else they are misses and the question is profiled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import platform
@@ -34,6 +40,8 @@ CACHE_ENV = "HF_MEMO_CACHE_DIR"  # the folder the cache lives in (its estimator/
 FORMAT = 1  # of an entry's contents; a change makes every older entry a miss
 _PACKAGE = Path(__file__).resolve().parents[1]  # hf_memo/
 _LIBRARIES = ("hf-memo", "torch", "transformers", "peft", "numpy")
+SHIPPED = Path(__file__).resolve().parent / "shipped_fits"  # the documented questions' fits, read-only
+MANIFEST = "manifest.json"  # in SHIPPED: the fingerprint's parts the shipped fits were made with
 
 
 def cache_dir() -> Path:
@@ -58,30 +66,55 @@ def _installed(name: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def code_fingerprint() -> str:
-    """A SHA-256 of the code a fit depends on: hf_memo's sources (every ``.py`` file of the package, by path and
-    contents), the versions of hf_memo, PyTorch, Transformers, PEFT and NumPy, and Python's (pickles)."""
-    digest = hashlib.sha256()
-    digest.update(f"format {FORMAT}; python {platform.python_version()}".encode())
-    for name in _LIBRARIES:
-        digest.update(f"; {name} {_installed(name)}".encode())
+def fingerprint_parts() -> dict[str, str]:
+    """What a fit depends on besides the question: the entry format, Python's version (pickles), the versions of
+    hf_memo, PyTorch, Transformers, PEFT and NumPy, and ``sources``, a SHA-256 of hf_memo's sources (every ``.py``
+    file of the package, by path and contents)."""
+    sources = hashlib.sha256()
     for path in sorted(_PACKAGE.rglob("*.py")):
-        digest.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+        sources.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    libraries = {name: _installed(name) for name in _LIBRARIES}
+    return {"format": str(FORMAT), "python": platform.python_version(), **libraries, "sources": sources.hexdigest()}
+
+
+def code_fingerprint() -> str:
+    """A SHA-256 of :func:`fingerprint_parts`: the code a fit depends on."""
+    return hashlib.sha256(json.dumps(fingerprint_parts(), sort_keys=True).encode()).hexdigest()
+
+
+def shipped_manifest() -> dict | None:
+    """The shipped fits' manifest (the fingerprint's parts they were made with, the questions and modes asked),
+    or ``None`` where none shipped."""
+    try:
+        return json.loads((SHIPPED / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _read(path: Path, key: str) -> Any | None:
+    """The value of the entry at ``path`` if it is a whole entry stored under ``key``, else ``None``."""
+    try:
+        with open(path, "rb") as file:
+            stored_key, value = pickle.load(file)
+    except Exception:  # absent, cut short, or written by other code: a miss (written again after the fit)
+        return None
+    return value if stored_key == key else None
 
 
 class FitCache:
-    """Fits on disk under ``folder`` (default :func:`cache_dir`), by key; ``enabled=False`` reads and writes nothing
-    (``--no-cache``).
+    """Fits on disk under ``folder`` (default :func:`cache_dir`), by key, and then the shipped fits
+    (:data:`SHIPPED`, read-only); ``enabled=False`` reads and writes nothing (``--no-cache``).
 
     Args:
         folder: where the entries are (created on the first write).
         enabled: whether to read and write at all.
+        read_shipped: whether to read the fits shipped with hf_memo after ``folder``'s.
     """
 
-    def __init__(self, folder: str | Path | None = None, enabled: bool = True) -> None:
+    def __init__(self, folder: str | Path | None = None, enabled: bool = True, read_shipped: bool = True) -> None:
         self.folder = Path(folder) if folder is not None else cache_dir()
         self.enabled = enabled
+        self.shipped = SHIPPED if read_shipped else None
 
     @staticmethod
     def key(parts: tuple) -> str:
@@ -93,17 +126,14 @@ class FitCache:
         return self.folder / f"{key}.pkl"
 
     def load(self, key: str) -> Any | None:
-        """The value stored under ``key``, or ``None`` (disabled, absent, or not readable as a whole entry)."""
+        """The value stored under ``key`` in ``folder``, else in the shipped fits, or ``None`` (disabled, absent,
+        or not readable as a whole entry)."""
         if not self.enabled:
             return None
-        try:
-            with open(self.path(key), "rb") as file:
-                stored_key, value = pickle.load(file)
-        except FileNotFoundError:
-            return None
-        except Exception:  # cut short, or written by other code: a miss, written again after the fit
-            return None
-        return value if stored_key == key else None
+        value = _read(self.path(key), key)
+        if value is None and self.shipped is not None:
+            value = _read(self.shipped / f"{key}.pkl", key)
+        return value
 
     def store(self, key: str, value: Any) -> None:
         """Write ``value`` under ``key``: to a temporary file in the same folder, then renamed over the entry, so
