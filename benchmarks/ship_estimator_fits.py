@@ -58,7 +58,7 @@ def main() -> None:
     shipped = ROOT / "hf_memo" / "estimator" / "shipped_fits"
     shutil.rmtree(shipped, ignore_errors=True)
     shipped.mkdir()
-    entries = sorted((cache / "estimator").glob("*.pkl"))
+    entries = sorted((cache / "estimator").glob(f"*{fit_cache.SUFFIX}"))
     for entry in entries:
         shutil.copy(entry, shipped / entry.name)
     manifest = {

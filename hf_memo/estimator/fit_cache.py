@@ -9,7 +9,8 @@ string does not change with every edit), so an entry is never read by other code
 host and pinned memory, reserves), the GPU model and the ZeRO settings are applied after the fit and are not in
 the key: one fit answers them all.
 
-Entries are pickles in the user's cache directory (``$HF_MEMO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hf_memo`` or
+Entries are pickles, compressed (LZMA: a memo fit's closed forms shrink about 50x, read back in tens of
+milliseconds), in the user's cache directory (``$HF_MEMO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hf_memo`` or
 ``~/.cache/hf_memo``; ``%LOCALAPPDATA%\\hf_memo`` on Windows, ``~/Library/Caches/hf_memo`` on macOS), under
 ``estimator/``. A writer writes a temporary file beside the entry and renames it over the entry
 (``os.replace``, atomic on one file system), so two runs writing at once leave one whole entry, never a mix, and
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
 import pickle
 import platform
@@ -37,10 +39,11 @@ from pathlib import Path
 from typing import Any
 
 CACHE_ENV = "HF_MEMO_CACHE_DIR"  # the folder the cache lives in (its estimator/ subfolder holds the entries)
-FORMAT = 1  # of an entry's contents; a change makes every older entry a miss
+FORMAT = 2  # of an entry's contents; a change makes every older entry a miss
 _PACKAGE = Path(__file__).resolve().parents[1]  # hf_memo/
 _LIBRARIES = ("hf-memo", "torch", "transformers", "peft", "numpy")
 SHIPPED = Path(__file__).resolve().parent / "shipped_fits"  # the documented questions' fits, read-only
+SUFFIX = ".pkl.xz"  # an entry's file: its key, then this
 MANIFEST = "manifest.json"  # in SHIPPED: the fingerprint's parts the shipped fits were made with
 
 
@@ -94,8 +97,7 @@ def shipped_manifest() -> dict | None:
 def _read(path: Path, key: str) -> Any | None:
     """The value of the entry at ``path`` if it is a whole entry stored under ``key``, else ``None``."""
     try:
-        with open(path, "rb") as file:
-            stored_key, value = pickle.load(file)
+        stored_key, value = pickle.loads(lzma.decompress(path.read_bytes()))
     except Exception:  # absent, cut short, or written by other code: a miss (written again after the fit)
         return None
     return value if stored_key == key else None
@@ -123,7 +125,7 @@ class FitCache:
         return hashlib.sha256(f"{code_fingerprint()}\n{parts!r}".encode()).hexdigest()
 
     def path(self, key: str) -> Path:
-        return self.folder / f"{key}.pkl"
+        return self.folder / f"{key}{SUFFIX}"
 
     def load(self, key: str) -> Any | None:
         """The value stored under ``key`` in ``folder``, else in the shipped fits, or ``None`` (disabled, absent,
@@ -132,7 +134,7 @@ class FitCache:
             return None
         value = _read(self.path(key), key)
         if value is None and self.shipped is not None:
-            value = _read(self.shipped / f"{key}.pkl", key)
+            value = _read(self.shipped / f"{key}{SUFFIX}", key)
         return value
 
     def store(self, key: str, value: Any) -> None:
@@ -146,7 +148,7 @@ class FitCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             handle, temporary = tempfile.mkstemp(dir=self.folder, prefix=f".{key[:16]}.", suffix=".tmp")
             with os.fdopen(handle, "wb") as file:
-                pickle.dump((key, value), file, protocol=pickle.HIGHEST_PROTOCOL)
+                file.write(lzma.compress(pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL), preset=1))
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, self.path(key))
