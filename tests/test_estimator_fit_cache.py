@@ -144,12 +144,12 @@ def test_an_unreadable_entry_is_a_miss_and_is_written_again(tmp_path):
     assert cache.load(key) is None
 
 
-WRITES = 8
+WRITES = 4
 
 
 def _entry(writer: int) -> np.ndarray:
-    """Writer ``writer``'s value: 4 MiB that do not compress (many writes of the file each), ``writer`` first."""
-    value = np.random.default_rng(writer).integers(0, 2**62, 1 << 19)
+    """Writer ``writer``'s value: 1 MiB that does not compress (256 pages a file), ``writer`` first."""
+    value = np.random.default_rng(writer).integers(0, 2**62, 1 << 17)
     value[0] = writer
     return value
 
@@ -171,17 +171,21 @@ def test_writers_at_once_leave_one_whole_entry_and_readers_never_see_half_of_one
     writers = [context.Process(target=_write, args=(str(tmp_path), key, writer)) for writer in range(1, 5)]
     for process in writers:
         process.start()
+    seen = False
     while any(process.is_alive() for process in writers):
         value = cache.load(key)
-        if value is not None:  # absent before the first rename; whole ever after
+        if value is not None:
             assert _whole(value)
+            seen = True
+        else:  # absent before the first rename; whole ever after (a torn entry would read as a miss)
+            assert not seen, "an entry read whole before was not readable: a write was not atomic"
     for process in writers:
         process.join()
         assert process.exitcode == 0
     final = cache.load(key)
     assert final is not None and _whole(final)
     assert [path.name for path in tmp_path.iterdir()] == [cache.path(key).name]  # no temporary file left behind
-    assert os.stat(cache.path(key)).st_size > 3 * MiB
+    assert os.stat(cache.path(key)).st_size > 0.9 * MiB
 
 
 def test_a_cached_answer_reads_neither_pytorch_nor_transformers_nor_the_model_code(config_path, cold):
