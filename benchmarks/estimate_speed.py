@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_out_option, results_folder
+from common import ROOT, add_out_option, results_folder
 
 QUESTIONS = {
     "80gib_128k": "--model llama-3-8b --gpu-memory 80GiB --seq-len 128k",
@@ -41,7 +41,6 @@ QUESTIONS = {
         "--offload-optimizer --seq-len 1M"
     ),
 }
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def timed(command: list[str], cache: Path) -> tuple[float, float, str]:

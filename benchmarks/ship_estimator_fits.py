@@ -9,7 +9,7 @@ replaces ``hf_memo/estimator/shipped_fits/``, with ``manifest.json``: the finger
 sources makes them misses (their keys hold the sources); ``tests/test_estimator_fit_cache.py`` fails until this is
 run again on the final sources, with the CI's library versions.
 
-    python benchmarks/ship_estimator_fits.py        # about half an hour on 2 cores
+    python benchmarks/ship_estimator_fits.py        # about 23 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from pathlib import Path
 
 from hf_memo.estimator import fit_cache
 
+from common import ROOT
 from estimate_speed import QUESTIONS
 
 MODES = "hf,hf-checkpointing,none,full,selective,memo"
 SHIPPED_QUESTIONS = {name: flags for name, flags in QUESTIONS.items() if "--host-memory" in flags}
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def cold(config_path, tmp_path_factory):
 def test_a_cached_answer_is_the_cold_one_and_profiles_nothing(config_path, cold, fresh_process, monkeypatch):
     folder, answer, ran = cold
     assert sum(ran) >= 4 + 10  # both modes were profiled (memo: its fit, then its chosen policy's structure)
-    assert len(list(folder.glob("*.pkl.xz"))) == 4  # two modes' fits, the model states and the model
+    assert len(list(folder.glob(f"*{fit_cache.SUFFIX}"))) == 4  # two modes' fits, the model states and the model
     _no_profiles(monkeypatch)
     warm = estimate(config_path, 2048, cache=FitCache(folder), workers=1, progress=False, **QUESTION)
     assert not fresh_process
@@ -229,7 +229,7 @@ def test_the_shipped_fits_are_whole_entries_of_the_current_sources():
     assert manifest is not None, "no shipped fits: run python benchmarks/ship_estimator_fits.py"
     made, now = manifest["fingerprint"]["sources"], fit_cache.fingerprint_parts()["sources"]
     assert made == now, "hf_memo's sources changed since its fits were made: run benchmarks/ship_estimator_fits.py"
-    entries = sorted(fit_cache.SHIPPED.glob("*.pkl.xz"))
+    entries = sorted(fit_cache.SHIPPED.glob(f"*{fit_cache.SUFFIX}"))
     assert len(entries) == manifest["entries"] > 0
     for entry in entries:
         assert fit_cache._read(entry, entry.name.removesuffix(fit_cache.SUFFIX)) is not None, entry.name
@@ -257,4 +257,4 @@ def test_the_documented_questions_answer_from_the_shipped_fits_without_pytorch(t
         assert "HEAVY []" in run.stderr, name
         answer = json.loads(run.stdout)["modes"]
         assert set(answer) == set(manifest["modes"].split(",")), name
-    assert not list(tmp_path.rglob("*.pkl.xz"))
+    assert not list(tmp_path.rglob(f"*{fit_cache.SUFFIX}"))

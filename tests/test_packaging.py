@@ -64,7 +64,7 @@ def test_wheel_ships_the_sample_license_and_py_typed_and_runs_the_demo_in_a_fres
         "hf_memo/estimator/shipped_fits/manifest.json",
     }
     assert shipped <= names, shipped - names
-    fits = {f"hf_memo/estimator/shipped_fits/{path.name}" for path in fit_cache.SHIPPED.glob("*.pkl.xz")}
+    fits = {f"hf_memo/estimator/shipped_fits/{path.name}" for path in fit_cache.SHIPPED.glob(f"*{fit_cache.SUFFIX}")}
     assert fits and fits <= names, fits - names
     assert not [name for name in names if name.startswith(("examples/", "tests/", "benchmarks/"))]
 
