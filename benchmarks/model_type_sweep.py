@@ -222,12 +222,34 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "hidden_size_per_layer_input": 8,
     },
     "llama4_text-nochunk": {"attention_chunk_size": None},  # Llama 4 with its chunked attention off
+    # a heterogeneous config: the full-attention layer's heads twice as wide as the sliding layer's (as Gemma 4's)
+    "gemma4_text": {
+        "per_layer_config": {1: {"head_dim": 2 * SIZES["head_dim"]}},
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 8,
+    },
+    # ... and without per-layer input embeddings (Gemma 4's larger models)
+    "gemma4_text-noperlayer": {
+        "per_layer_config": {1: {"head_dim": 2 * SIZES["head_dim"]}},
+        "hidden_size_per_layer_input": 0,
+    },
+    # multi-head latent attention (as DeepSeek-V2 above): as many key/value heads as query heads
+    "glm4_moe_lite": {"num_key_value_heads": 4},
+    "minicpm3": {"num_key_value_heads": 4},
+    "youtu": {"num_key_value_heads": 4},
+    # ... and LongCat-Flash's rotary embedding is head_dim wide, which must be the rotated part of a head
+    "longcat_flash": {"num_key_value_heads": 4, "head_dim": SIZES["qk_rope_head_dim"]},
 }
+# Types whose unpatched model builds tensors of torch's default dtype inside its fp64 forward (XGLM's attention fills
+# masked scores with a float64 minimum through ``torch.full``, which overflows fp32): their process runs with fp64 as
+# the default dtype.
+DEFAULT_FP64 = {"xglm"}
 VARIANTS = {
     "falcon-new": "falcon",
     "doge-moe": "doge",
     "llama4_text-nochunk": "llama4_text",
     "gemma3n_text-noshare": "gemma3n_text",
+    "gemma4_text-noperlayer": "gemma4_text",
 }  # variant -> its model_type
 # Text model types without a causal LM class of their own: built as the text config of this multimodal model.
 CONTAINERS = {"qwen3_vl_text": "qwen3_vl"}
@@ -241,6 +263,7 @@ def model_type_of(name: str) -> str:
 def shrunk_config(config_class: type[PreTrainedConfig], fields: dict[str, Any]) -> PreTrainedConfig:
     """``config_class`` shrunk generically (:data:`SIZES`, dropout 0, windows of ``WINDOW``), then ``fields`` set."""
     default = config_class()
+    default.allow_global_per_layer_attribute_access = True  # a heterogeneous config's global values are shrunk too
     aliases = {target: alias for alias, target in config_class.attribute_map.items()}
     kwargs: dict[str, Any] = {}
     for field in dataclasses.fields(config_class):
@@ -278,6 +301,8 @@ def build_model(name: str) -> PreTrainedModel:
         parameters = sum(p.numel() for p in model_class(config).parameters())
     if parameters > MAX_PARAMETERS:
         raise ValueError(f"{parameters:,} parameters: a size field of {type(config).__name__} was not shrunk")
+    if model_type in DEFAULT_FP64:
+        torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     return model_class(config).double().train()
 

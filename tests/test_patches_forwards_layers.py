@@ -265,6 +265,66 @@ def test_memo_refuses_4d_masks():
         model(input_ids=ids, labels=labels, attention_mask=mask)
 
 
+GEMMA_RTOL = 1e-5
+
+
+def _assert_grads_near(model, reference) -> None:
+    """Every gradient of ``model`` within ``GEMMA_RTOL`` of the reference's, relative to the reference's norm."""
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), reference.parameters())]
+    assert all((mine is None) == (theirs is None) for _, mine, theirs in pairs)
+    worst = max(((mine - theirs).norm() / theirs.norm()).item() for _, mine, theirs in pairs if theirs is not None)
+    assert worst <= GEMMA_RTOL
+
+
+def _gemma4(per_layer_inputs: bool):
+    """A tiny fp64 Gemma 4 (a heterogeneous config: its full-attention layer's heads twice as wide as its sliding
+    layer's), with or without per-layer input embeddings (passed to each layer beside its hidden states). Its norms
+    compute in float32 whatever the dtype, so chunked rows round differently there: each gradient agrees to
+    ``GEMMA_RTOL`` relative to its norm (measured: 1.6e-7 under memo, 4.8e-8 under recompute='none')."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        per_layer_config={1: {"head_dim": 16}},
+        vocab_size_per_layer_input=101,
+        hidden_size_per_layer_input=8 if per_layer_inputs else 0,
+    )
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(config).double().train()
+
+
+def test_memo_refuses_a_layer_argument_that_needs_a_gradient():
+    """Gemma 4's per-layer inputs come from trainable embeddings: memo's layer function would drop their gradient."""
+    model = _gemma4(per_layer_inputs=True)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", 0.5)
+    ids, labels = make_batch(2, 13)
+    with pytest.raises(ValueError, match="Gemma4TextDecoderLayer gets arguments that need .*per_layer_input"):
+        model(input_ids=ids, labels=labels)
+    hf_memo.revert(model)  # the other modes differentiate the layer through autograd: exact
+    _apply(model, "selective", None)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    _assert_grads_near(model, reference)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_memo_on_heads_of_different_widths_per_layer_matches_unpatched(alpha):
+    model = _gemma4(per_layer_inputs=False)
+    reference = copy.deepcopy(model)
+    _apply(model, "memo", alpha)
+    ids, labels = make_batch(2, 13)
+    torch.testing.assert_close(_step(model, ids, labels), _step(reference, ids, labels), rtol=1e-6, atol=0)
+    _assert_grads_near(model, reference)
+
+
 @pytest.mark.parametrize("alpha", [0.5, 1.0])
 def test_memo_training_forward_without_labels_matches_unpatched(family, alpha):
     model = _build(family)

@@ -206,3 +206,20 @@ def test_a_layer_with_alibi_is_refused_for_its_positional_bias():
     alibi = torch.zeros(2 * 4, 1, 9, dtype=torch.float64)
     with pytest.raises(ValueError, match="FalconDecoderLayer adds a positional bias to its attention scores .'alibi'"):
         find_anatomy(layer, inner, LayerArguments({"alibi": alibi, "attention_mask": None}), x, "falcon")
+
+
+def test_arguments_needing_a_gradient_are_named_wherever_they_nest():
+    table = torch.randn(1, 6, 8, dtype=torch.float64)
+    trained = torch.randn(2, 6, 4, dtype=torch.float64, requires_grad=True)
+    arguments = LayerArguments(
+        {
+            "position_embeddings": (table, table),
+            "position_ids": torch.arange(6)[None],
+            "attention_mask": trained,  # dropped: hf_memo attends by the step's layout
+            "per_layer_input": trained * 2,
+            "extra": {"nested": [None, trained]},
+        },
+        6,
+    )
+    assert arguments.needing_gradient() == ["per_layer_input", "extra"]
+    assert LayerArguments({"position_embeddings": (table, table)}, 6).needing_gradient() == []

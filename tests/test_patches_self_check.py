@@ -19,6 +19,17 @@ from tests.model_catalog import CATALOG_NAMES, FP32_TOLERANCE, WINDOW, build_cat
 SEQ = 29
 _SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "pad_token_id": 0}
 _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
+# Gemma 4: a heterogeneous config (its full-attention layer's heads twice as wide as its sliding layer's), with
+# per-layer input embeddings passed to each layer beside its hidden states
+_GEMMA4 = {
+    **_GQA,
+    "head_dim": 8,
+    "per_layer_config": {1: {"head_dim": 16}},
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": WINDOW,
+}
 # Families outside the catalog whose layers take another path than the catalog's: attention that branches on the
 # implementation's name (Falcon), masks built inside the layer (Doge), layers that do not pass keyword arguments on
 # (Falcon, Bloom, MPT), MLPs with a residual argument (Bloom, MPT), parts under other names (GPT-NeoX, MPT),
@@ -26,7 +37,8 @@ _GQA = {**_SMALL, "intermediate_size": 48, "num_key_value_heads": 2}
 # the output projection (BitNet), the attention inside a norm-attention-norm block (DBRX), a residual taken after the
 # input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat), two
 # attention calls per layer with the same queries and keys (DiffLlama), layer outputs with a leading axis of AltUp
-# predictions (k, B, S, H) and per-layer MLP widths (Gemma-3n, without its KV sharing, which is refused).
+# predictions (k, B, S, H) and per-layer MLP widths (Gemma-3n, without its KV sharing, which is refused), per-layer
+# head widths (Gemma 4).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -69,6 +81,8 @@ FAMILIES = {
             "sliding_window": WINDOW,
         },
     ),
+    "gemma4": ("Gemma4TextConfig", _GEMMA4),
+    "gemma4-noperlayer": ("Gemma4TextConfig", {**_GEMMA4, "hidden_size_per_layer_input": 0}),
     "minimax": (
         "MiniMaxConfig",
         {
@@ -90,7 +104,8 @@ MEMO_REFUSALS = {
     "mpt": "MptBlock adds a positional bias to its attention scores",
     "doge": "DogeAttention hands its attention function a mask it builds itself",
     "minimax": "MiniMaxLightningAttention in MiniMaxDecoderLayer does not call transformers' attention interface",
-    "gemma3n": "Gemma3nTextDecoderLayer fails on the first rows of the sequence alone",
+    "gemma3n": "Gemma3nTextDecoderLayer gets arguments that need a gradient besides its hidden states .per_layer_input",
+    "gemma4": "Gemma4TextDecoderLayer gets arguments that need a gradient besides its hidden states .per_layer_input",
 }
 MODES = ("none", "full", "selective", "memo")
 

@@ -381,6 +381,14 @@ def _memo_layer_step(
             "cross-attention inputs"
         )
     layer_arguments = LayerArguments(arguments, hidden.shape[1])
+    needing = layer_arguments.needing_gradient()
+    if needing:
+        raise ValueError(
+            f"hf_memo cannot run model_type {structure.model_type!r} under recompute='memo': {type(layer).__name__} "
+            f"gets arguments that need a gradient besides its hidden states ({', '.join(needing)}: computed from "
+            "trainable weights outside the layer), and memo's layer function returns gradients for the hidden states "
+            "and the layer's own parameters only; use recompute='none', 'full' or 'selective'"
+        )
     run = partial(takeover.call, layer, inner)  # the layer's own forward, without Hugging Face's checkpointing
     anatomy = structure.anatomies.get(index)
     if anatomy is None:  # the layer's first memo step: how it feeds its attention, and the split checked

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from transformers import AttentionInterface
 from transformers.utils.output_capturing import _active_collector
 
@@ -326,6 +327,15 @@ class LayerArguments:
                 self.arguments[name] = None
         if "use_cache" in self.arguments:
             self.arguments["use_cache"] = False
+
+    def needing_gradient(self) -> list[str]:
+        """The arguments that hold a tensor needing a gradient (e.g. Gemma 4's per-layer input, computed from
+        trainable embeddings outside the layer): memo's layer function returns none for them."""
+        return [
+            name
+            for name, value in self.arguments.items()
+            if any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_leaves(value))
+        ]
 
     def rows(self, start: int, stop: int) -> dict[str, Any]:
         out = dict(self.arguments)
