@@ -133,6 +133,9 @@ DEFAULT_TYPES = [
     "olmo_hybrid",
     "laguna",
     "youtu",
+    # tried 2026-11-29 (third sweep): Gemma 4 with and without its per-layer inputs
+    "gemma4_text",
+    "gemma4_text-noperlayer",
 ]
 LAYOUTS = ("plain", "padded")
 LOSS_TOLERANCE = 1e-6
@@ -234,9 +237,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "hidden_size_per_layer_input": 0,
     },
     # multi-head latent attention (as DeepSeek-V2 above): as many key/value heads as query heads
-    "glm4_moe_lite": {"num_key_value_heads": 4},
-    "minicpm3": {"num_key_value_heads": 4},
-    "youtu": {"num_key_value_heads": 4},
+    **{
+        name: {"num_key_value_heads": 4}
+        for name in ("glm4_moe_lite", "minicpm3", "youtu", "axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "sarvam_mla")
+    },
     # ... and LongCat-Flash's rotary embedding is head_dim wide, which must be the rotated part of a head
     "longcat_flash": {"num_key_value_heads": 4, "head_dim": SIZES["qk_rope_head_dim"]},
 }
