@@ -140,7 +140,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "--no-cache",
         action="store_true",
         help="fit every closed form again instead of reading (and writing) the on-disk cache of fits "
-        f"(${CACHE_ENV}, default {cache_dir()}); the answer is the same",
+        f"(${CACHE_ENV}, default {cache_dir()}) or reading the fits hf_memo ships; the answer is the same",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", default=None, help="write a memory timeline PNG of each mode here")
