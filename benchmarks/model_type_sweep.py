@@ -236,6 +236,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "per_layer_config": {1: {"head_dim": 2 * SIZES["head_dim"]}},
         "hidden_size_per_layer_input": 0,
     },
+    # one global and one local layer (the default pattern names 24), the local window cutting the rows
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     # multi-head latent attention (as DeepSeek-V2 above): as many key/value heads as query heads
     **{
         name: {"num_key_value_heads": 4}

@@ -433,9 +433,9 @@ def find_anatomy(
     attn = attention_of(layer)
     not_softmax = ValueError(
         f"hf_memo cannot run model_type {model_type!r} under recompute='memo': {type(attn).__name__} in "
-        f"{type(layer).__name__} does not call transformers' attention interface (a linear-attention or state-space "
-        "mixer), and hf_memo's attention core computes softmax attention only; use recompute='none', 'full' or "
-        "'selective'"
+        f"{type(layer).__name__} does not call transformers' attention interface or torch's "
+        "scaled_dot_product_attention (it computes its attention in its own code, or it is a linear-attention or "
+        "state-space mixer), and memo replaces those calls only; use recompute='none', 'full' or 'selective'"
     )
     bias = next((name for name in _SCORE_BIASES if isinstance(arguments.arguments.get(name), torch.Tensor)), None)
     if bias is not None:
