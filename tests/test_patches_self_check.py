@@ -38,7 +38,8 @@ _GEMMA4 = {
 # input norm and a linear-attention layer (MiniMax), the final norm called on the embeddings too (NanoChat), two
 # attention calls per layer with the same queries and keys (DiffLlama), layer outputs with a leading axis of AltUp
 # predictions (k, B, S, H) and per-layer MLP widths (Gemma-3n, without its KV sharing, which is refused), per-layer
-# head widths (Gemma 4), attention computed in the layer's own code (GPT-Neo, global and local layers).
+# head widths (Gemma 4), attention computed in the layer's own code (GPT-Neo, global and local layers), a recurrent
+# block whose forward names its input ``hidden`` (RWKV).
 FAMILIES = {
     "falcon": ("FalconConfig", _SMALL),
     "falcon-new": ("FalconConfig", {**_SMALL, "new_decoder_architecture": True, "num_kv_heads": 2}),
@@ -85,6 +86,7 @@ FAMILIES = {
         "GPTNeoConfig",
         {**_SMALL, "attention_types": [[["global", "local"], 1]], "window_size": WINDOW, "intermediate_size": 48},
     ),
+    "rwkv": ("RwkvConfig", {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 48}),
     "gemma4": ("Gemma4TextConfig", _GEMMA4),
     "gemma4-noperlayer": ("Gemma4TextConfig", {**_GEMMA4, "hidden_size_per_layer_input": 0}),
     "minimax": (
@@ -110,6 +112,7 @@ MEMO_REFUSALS = {
     "minimax": "MiniMaxLightningAttention in MiniMaxDecoderLayer does not call transformers' attention interface",
     "gemma3n": "Gemma3nTextDecoderLayer gets arguments that need a gradient besides its hidden states .per_layer_input",
     "gpt_neo": "GPTNeoSelfAttention in GPTNeoBlock does not call .*it computes its attention in its own code",
+    "rwkv": "RwkvBlock takes its hidden states as 'hidden', not as transformers' decoder layers do",
     "gemma4": "Gemma4TextDecoderLayer gets arguments that need a gradient besides its hidden states .per_layer_input",
 }
 MODES = ("none", "full", "selective", "memo")

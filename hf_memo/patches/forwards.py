@@ -314,6 +314,12 @@ def _normed_last(
     return (*hidden_states[:-1], norm(last))
 
 
+def _hidden_name(inner: Callable) -> str:
+    """The name of the layer forward's first parameter, its hidden states ``(B, S, H)``: ``hidden_states`` in
+    transformers' decoder layers, ``hidden`` in RWKV's blocks."""
+    return next(iter(inspect.signature(inner).parameters))
+
+
 def _bound_arguments(inner: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """``inner``'s arguments by name, ``**kwargs`` merged in."""
     signature = inspect.signature(inner)
@@ -365,6 +371,13 @@ def _memo_layer_step(
     custom = takeover.custom_checkpoint(layer)  # transformers' own checkpointing is replaced by the executor's
     if custom is not None:
         return _through_checkpoint_function(custom, takeover, layer, inner, arguments)
+    if "hidden_states" not in arguments:
+        raise ValueError(
+            f"hf_memo cannot run model_type {structure.model_type!r} under recompute='memo': {type(layer).__name__} "
+            f"takes its hidden states as {_hidden_name(inner)!r}, not as transformers' decoder layers do "
+            "(hidden_states), so it is no decoder layer memo's split knows; use recompute='none', 'full' or "
+            "'selective'"
+        )
     hidden = arguments["hidden_states"]
     params = trainable_params(layer)
     if not (hidden.requires_grad or params):
@@ -517,13 +530,14 @@ def _recomputable(
     """``(hidden_states (B, S, H), the other arguments, run)``: ``run(hidden_states, **others)`` is the layer's forward
     without Hugging Face's checkpointing, writing no KV cache (a recomputation must not write it a second time)."""
     arguments = dict(arguments)
-    hidden = arguments.pop("hidden_states")
+    name = _hidden_name(inner)
+    hidden = arguments.pop(name)
     if "past_key_values" in arguments:
         arguments["past_key_values"] = None
     arguments["use_cache"] = False
 
     def run(hidden_states: torch.Tensor, **named: Any) -> Any:
-        return takeover.call(layer, inner, hidden_states=hidden_states, **named)
+        return takeover.call(layer, inner, **{name: hidden_states}, **named)
 
     return hidden, arguments, run
 
