@@ -47,6 +47,8 @@ TESTED_OUTSIDE_CATALOG = {
     "doge": _BUT_MEMO,
     "falcon": _EVERY_MODE,
     "gemma3n_text": _BUT_MEMO,  # without KV sharing, which is refused in every mode
+    "gemma4_text": _BUT_MEMO,  # memo too without per-layer inputs (their gradient memo refuses to drop)
+    "gpt_neo": _BUT_MEMO,
     "gpt_neox": _EVERY_MODE,
     "jetmoe": _EVERY_MODE,
     "llama4_text": _EVERY_MODE,
@@ -55,6 +57,7 @@ TESTED_OUTSIDE_CATALOG = {
     "nanochat": _EVERY_MODE,
     "nemotron": _EVERY_MODE,
     "olmo": _EVERY_MODE,
+    "rwkv": _BUT_MEMO,
     "stablelm": _EVERY_MODE,
 }
 
