@@ -9,7 +9,7 @@ replaces ``hf_memo/estimator/shipped_fits/``, with ``manifest.json``: the finger
 sources makes them misses (their keys hold the sources); ``tests/test_estimator_fit_cache.py`` fails until this is
 run again on the final sources, with the CI's library versions.
 
-    python benchmarks/ship_estimator_fits.py        # about 23 minutes on 2 cores
+    python benchmarks/ship_estimator_fits.py        # 7-23 minutes on 2 cores, by the machine
 """
 
 from __future__ import annotations
