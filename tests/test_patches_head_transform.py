@@ -68,6 +68,35 @@ def test_a_model_with_an_unknown_logit_transform_is_refused_by_apply():
     assert hf_memo.applied_config(model) is None
 
 
+class _LossPlusAHalf(LlamaForCausalLM):
+    """A causal LM whose loss is not the cross-entropy of its logits alone."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 0.5
+        return out
+
+
+def test_a_model_whose_loss_is_another_than_the_causal_lm_loss_of_its_logits_is_refused_by_apply():
+    model = _LossPlusAHalf(build_model("llama").config).double()
+    with pytest.raises(ValueError, match="_LossPlusAHalf .*its loss is not transformers' causal-LM loss") as refused:
+        hf_memo.apply(model)
+    assert "unshifted" not in str(refused.value)
+    assert hf_memo.applied_config(model) is None
+
+
+def test_cpm_ant_whose_loss_does_not_shift_the_labels_is_refused_with_that_cause():
+    from transformers import CpmAntConfig, CpmAntForCausalLM
+
+    config = CpmAntConfig(
+        vocab_size=101, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=48, num_hidden_layers=2
+    )
+    model = CpmAntForCausalLM(config).double()
+    with pytest.raises(ValueError, match="CpmAntForCausalLM .*each position against its own label, unshifted"):
+        hf_memo.apply(model)
+
+
 def test_the_check_leaves_the_rng_and_training_modes_as_they_were():
     model = build_model("llama")
     model.model.layers[0].eval()

@@ -3,7 +3,8 @@
 hf_memo's loss runs the head per mini-sequence, so it must apply the same transform per chunk. The
 transform is read from the model's traits (Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma's
 ``final_logit_softcapping``) and confirmed against the model's own forward (:func:`confirmed_logit_transform`):
-an unknown transform is refused, never silently dropped.
+an unknown transform is refused, never silently dropped. The same probe checks the model's own loss against
+transformers' causal-LM loss of its logits, which hf_memo's chunked loss computes: another loss is refused.
 """
 
 from __future__ import annotations
@@ -86,24 +87,62 @@ def _backbone_returning(backbone: nn.Module, hidden: torch.Tensor):
         del backbone.forward
 
 
-def _probe_logits(model: PreTrainedModel, forward: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """The logits ``forward`` (the model's own forward) computes from ``hidden`` ``(1, n, H)`` given to it as the
-    backbone's output, in eval mode, without gradient; the model's modes are restored."""
+def _probe(
+    model: PreTrainedModel, forward: Callable, hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logits, loss)`` that ``forward`` (the model's own forward) computes from ``hidden`` ``(1, n, H)`` given to it
+    as the backbone's output and ``labels`` ``(1, n)``, in eval mode, without gradient (``loss`` ``None`` where the
+    forward returns none); the model's modes are restored."""
     modes = {module: module.training for module in model.modules()}
     backbone = backbone_of(model)
     model.eval()
     try:
         with torch.no_grad(), _backbone_returning(backbone, hidden):
             ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-            out = forward(input_ids=ids, **_quiet(forward))
+            out = forward(input_ids=ids, labels=labels, **_quiet(forward))
     finally:
         for module, training in modes.items():
             module.training = training
-    return out.logits if hasattr(out, "logits") else out[0]
+    if hasattr(out, "logits"):
+        return out.logits, out.loss
+    return (out[1], out[0]) if len(out) > 1 and out[0].dim() == 0 else (out[0], None)
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: int) -> float:
+    """The mean cross-entropy of ``logits`` ``(1, n, V)`` (in float32, as transformers' loss) against ``labels``
+    ``(1, n)`` ``shift`` positions on."""
+    n = logits.shape[1]
+    predicted = logits[:, : n - shift].float().flatten(0, 1)
+    return nn.functional.cross_entropy(predicted, labels[:, shift:].flatten()).item()
+
+
+def _check_loss(model: PreTrainedModel, loss: torch.Tensor | None, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """Raise unless the model's own ``loss`` on the probe is transformers' causal-LM loss of its ``logits``
+    ``(1, n, V)``: each position's logits against the next position's label, the mean over the labels.
+
+    Raises:
+        ValueError: another loss (e.g. CPM-Ant's, which scores each position against its own label), which
+            hf_memo's chunked loss would not reproduce.
+    """
+    if loss is None:
+        return
+    got, want = float(loss), _causal_lm_loss(logits, labels, 1)
+    tolerance = 1e-5 if logits.dtype in (torch.float32, torch.float64) else 1e-2
+    if abs(got - want) <= tolerance * max(abs(want), 1.0):
+        return
+    unshifted = abs(got - _causal_lm_loss(logits, labels, 0)) <= tolerance * max(abs(got), 1.0)
+    raise ValueError(
+        f"hf_memo cannot patch {type(model).__name__} (model_type {model.config.model_type!r}): its loss is not "
+        "transformers' causal-LM loss of its logits (each position's logits against the next position's label, "
+        f"averaged): on a probe it is {got:.6g} where that loss is {want:.6g}"
+        + (" (it scores each position against its own label, unshifted)" if unshifted else "")
+        + ", so hf_memo's chunked loss would differ"
+    )
 
 
 def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None = None) -> LogitTransform:
-    """The transform ``model``'s own ``forward`` (default ``model.forward``) applies to its head's output.
+    """The transform ``model``'s own ``forward`` (default ``model.forward``) applies to its head's output, its loss
+    checked to be transformers' causal-LM loss of its logits (:func:`_check_loss`).
 
     The one its traits describe (:func:`logit_transform`) if the forward computes exactly that from random hidden
     states ``(1, 3, H)`` given in place of the backbone's output, else none if the forward ignores the traits (Gemma 3's
@@ -111,7 +150,7 @@ def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None =
     fake, partitioned).
 
     Raises:
-        ValueError: neither: the model transforms its logits in a way hf_memo does not know.
+        ValueError: neither: the model transforms its logits in a way hf_memo does not know; or its loss is another.
     """
     described = logit_transform(model)
     head = model.get_output_embeddings()
@@ -120,7 +159,9 @@ def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None =
         return described
     generator = torch.Generator(device=weight.device).manual_seed(0)
     hidden = torch.randn(1, 3, weight.shape[-1], generator=generator, device=weight.device).to(weight.dtype)
-    expected = _probe_logits(model, forward or model.forward, hidden).float()
+    labels = torch.randint(0, weight.shape[0], (1, 3), generator=generator, device=weight.device)
+    logits, loss = _probe(model, forward or model.forward, hidden, labels)
+    expected = logits.float()
     tolerance = 1e-6 if weight.dtype in (torch.float32, torch.float64) else 1e-2
     worst = float("nan")
     with torch.no_grad():
@@ -128,6 +169,7 @@ def confirmed_logit_transform(model: PreTrainedModel, forward: Callable | None =
             got = transform(head(hidden)).float()
             if got.shape == expected.shape:
                 if torch.allclose(expected, got, rtol=tolerance, atol=tolerance):
+                    _check_loss(model, loss, logits, labels)
                     return transform
                 worst = (expected - got).abs().max().item() if transform == described else worst
     raise ValueError(
