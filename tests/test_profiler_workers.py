@@ -97,7 +97,11 @@ def test_after_an_error_the_jobs_not_started_are_not_run(tmp_path):
         raise ValueError("first job failed")
 
     def mark(i):
-        return lambda: (tmp_path / str(i)).touch()
+        def run():
+            time.sleep(0.05)  # a job takes time: on a loaded machine the error must still be seen before all ran
+            (tmp_path / str(i)).touch()
+
+        return run
 
     with pytest.raises(ValueError, match="first job failed"):
         run_side_by_side([broken, _job(1, pause=0.5)] + [mark(i) for i in range(20)], workers=2)
